@@ -1,0 +1,85 @@
+"""The engine: a model, its KV slots and per-slot sampling state, driven by `Step`s."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..protocol import Admit, EngineInfo, SamplingParams, Step, StepResult
+from . import weights as weights_mod
+from .model import KVCache, Model
+from .sampling import apply_penalties, sample
+
+
+class _SlotState:
+    """What sampling needs to remember about the sequence in one slot."""
+
+    def __init__(self, admit: Admit, vocab_size: int, device):
+        self.params: SamplingParams = admit.params
+        self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        if admit.prompt_ids:
+            self.prompt_mask[torch.tensor(admit.prompt_ids, device=device)] = True
+        self.counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+
+
+def default_dtype(device: str) -> torch.dtype:
+    """bf16 on accelerators, float32 on the CPU (bf16 matmuls are slow there)."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+class Engine:
+    """Owns every tensor; knows nothing of requests, text or time limits."""
+
+    def __init__(self, path: Path, *, slots: int, ctx: int, device: str = "cpu", dtype=None):
+        loaded = weights_mod.load(Path(path))
+        self.cfg = loaded.config
+        self.device = torch.device(device)
+        self.dtype = dtype or default_dtype(device)
+        self.model = Model(self.cfg, loaded.tensors, self.device, self.dtype)
+        self.ctx = ctx
+        self.cache = KVCache(self.cfg, slots, ctx, self.device, self.dtype)
+        self.slots: list[_SlotState | None] = [None] * slots
+        self.info = EngineInfo(
+            arch=self.cfg.arch,
+            n_params=loaded.n_params,
+            weight_bytes=loaded.file_bytes,
+            bits_per_weight=round(loaded.bits_per_weight, 2),
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            n_layers=self.cfg.n_layers,
+            vocab_size=self.cfg.vocab_size,
+            max_context=self.cfg.max_context,
+        )
+
+    @torch.inference_mode()
+    def step(self, step: Step) -> StepResult:
+        """Admit, prefill each chunk, decode the batch; return one token per sampling slot."""
+        t0 = time.perf_counter()
+        for admit in step.admits:
+            self.slots[admit.slot] = _SlotState(admit, self.cfg.vocab_size, self.device)
+        tokens: dict[int, int] = {}
+        for p in step.prefills:
+            ids = torch.tensor(p.token_ids, dtype=torch.long, device=self.device)
+            hidden = self.model.prefill(self.cache, p.slot, p.start, ids)
+            if p.sample:
+                position = p.start + len(p.token_ids)
+                tokens[p.slot] = self._sample(p.slot, self.model.logits(hidden), position)
+        if step.decodes:
+            slots = [d.slot for d in step.decodes]
+            ids = torch.tensor([d.token_id for d in step.decodes], device=self.device)
+            positions = torch.tensor([d.position for d in step.decodes], device=self.device)
+            logits = self.model.logits(self.model.decode(self.cache, slots, ids, positions))
+            for row, d in enumerate(step.decodes):
+                tokens[d.slot] = self._sample(d.slot, logits[row], d.position + 1)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return StepResult(tokens=tokens, elapsed_s=time.perf_counter() - t0)
+
+    def _sample(self, slot: int, logits: torch.Tensor, position: int) -> int:
+        state = self.slots[slot]
+        logits = apply_penalties(logits, state.params, state.prompt_mask, state.counts)
+        token = sample(logits, state.params, position)
+        state.counts[token] += 1
+        return token

@@ -1,0 +1,167 @@
+"""A Llama-family decoder over static per-slot KV caches (Llama, Mistral, Qwen2, Qwen3)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import ModelConfig
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm in float32 whatever the activation dtype, as the reference models do."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, device) -> tuple[Tensor, Tensor]:
+    """cos/sin for every position of the trained context, [positions, head_dim // 2]."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
+    pos = torch.arange(cfg.max_context, dtype=torch.float64) / cfg.rope_scale
+    angles = torch.outer(pos, inv_freq)
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE; x is [tokens, heads, head_dim], cos/sin are [tokens, head_dim // 2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+class KVCache:
+    """One whole context per slot: k/v are [layers, slots, kv_heads, ctx, head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, slots: int, ctx: int, device, dtype):
+        shape = (cfg.n_layers, slots, cfg.n_kv_heads, ctx, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class Model:
+    """Weights as plain tensors and a forward pass over flat token batches."""
+
+    def __init__(self, cfg: ModelConfig, tensors: dict, device, dtype):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+        def t(name: str) -> Tensor:
+            return torch.from_numpy(tensors[name]).to(device=self.device, dtype=dtype)
+
+        def maybe(name: str) -> Tensor | None:
+            return t(name) if name in tensors else None
+
+        self.embed = t("token_embd.weight")
+        self.lm_head = self.embed if cfg.tied_embeddings else t("output.weight")
+        self.final_norm = t("output_norm.weight")
+        self.layers = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            self.layers.append(
+                {
+                    "attn_norm": t(p + "attn_norm.weight"),
+                    # q, k and v as one matrix: one matmul instead of three.
+                    "wqkv": torch.cat(
+                        [t(p + "attn_q.weight"), t(p + "attn_k.weight"), t(p + "attn_v.weight")]
+                    ),
+                    "bqkv": (
+                        torch.cat([t(p + "attn_q.bias"), t(p + "attn_k.bias"), t(p + "attn_v.bias")])
+                        if cfg.qkv_bias
+                        else None
+                    ),
+                    "q_norm": maybe(p + "attn_q_norm.weight"),
+                    "k_norm": maybe(p + "attn_k_norm.weight"),
+                    "wo": t(p + "attn_output.weight"),
+                    "ffn_norm": t(p + "ffn_norm.weight"),
+                    "w_gate_up": torch.cat([t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")]),
+                    "w_down": t(p + "ffn_down.weight"),
+                }
+            )
+        self.cos, self.sin = rope_tables(cfg, self.device)
+
+    def forward(self, token_ids: Tensor, positions: Tensor, attend) -> Tensor:
+        """Run the decoder on flat tokens; `attend(layer, q, k, v)` owns the KV cache.
+
+        token_ids and positions are [T]; returns the final hidden states [T, d_model].
+        """
+        cfg = self.cfg
+        x = F.embedding(token_ids, self.embed)
+        cos, sin = self.cos[positions], self.sin[positions]
+        nq, nkv, hd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.head_dim
+        for i, w in enumerate(self.layers):
+            h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
+            qkv = F.linear(h, w["wqkv"], w["bqkv"])
+            q = qkv[:, :nq].view(-1, cfg.n_heads, hd)
+            k = qkv[:, nq : nq + nkv].view(-1, cfg.n_kv_heads, hd)
+            v = qkv[:, nq + nkv :].view(-1, cfg.n_kv_heads, hd)
+            if w["q_norm"] is not None:
+                q = rms_norm(q, w["q_norm"], cfg.norm_eps)
+                k = rms_norm(k, w["k_norm"], cfg.norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            x = x + F.linear(attend(i, q, k, v), w["wo"])
+            h = rms_norm(x, w["ffn_norm"], cfg.norm_eps)
+            gate, up = F.linear(h, w["w_gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w["w_down"])
+        return rms_norm(x, self.final_norm, cfg.norm_eps)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Project hidden states to float32 vocabulary logits."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def prefill(self, cache: KVCache, slot: int, start: int, token_ids: Tensor) -> Tensor:
+        """Write KV for a chunk of one slot at positions start..; return the last hidden state."""
+        n = token_ids.shape[0]
+        end = start + n
+        positions = torch.arange(start, end, device=self.device)
+        if start == 0:
+            mask = None
+        else:
+            # Row i (position start + i) sees every key up to and including its own position.
+            keys = torch.arange(end, device=self.device)
+            mask = keys[None, :] <= positions[:, None]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            cache.k[layer, slot, :, start:end] = k.transpose(0, 1)
+            cache.v[layer, slot, :, start:end] = v.transpose(0, 1)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                cache.k[layer, slot, :, :end][None],
+                cache.v[layer, slot, :, :end][None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                enable_gqa=True,
+            )
+            return out[0].transpose(0, 1).reshape(n, -1)
+
+        return self.forward(token_ids, positions, attend)[-1]
+
+    def decode(self, cache: KVCache, slots: list[int], token_ids: Tensor, positions: Tensor):
+        """Feed one token per slot (a batch); return hidden states [len(slots), d_model]."""
+        slot_index = torch.tensor(slots, device=self.device)
+        lengths = [int(p) + 1 for p in positions.tolist()]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            cache.k[layer, slot_index, :, positions] = k
+            cache.v[layer, slot_index, :, positions] = v
+            # Each row attends over its own filled length only, never over empty cache.
+            rows = [
+                F.scaled_dot_product_attention(
+                    q[b, :, None][None],
+                    cache.k[layer, s, :, :n][None],
+                    cache.v[layer, s, :, :n][None],
+                    enable_gqa=True,
+                )[0, :, 0]
+                for b, (s, n) in enumerate(zip(slots, lengths, strict=True))
+            ]
+            return torch.stack(rows).reshape(len(slots), -1)
+
+        return self.forward(token_ids, positions, attend)

@@ -1,0 +1,148 @@
+"""Read a model's weights into float32 numpy arrays under GGUF tensor names.
+
+GGUF files are dequantized with `gguf`; HF folders are read with `safetensors` and renamed.
+Every loader returns the same layout: Q/K rows in Hugging Face order, so the model applies
+one RoPE (NeoX, rotate-half) whatever the source.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import attrs
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, quants
+
+from .config import ModelConfig, from_gguf_fields, from_hf_config
+
+
+@attrs.frozen
+class LoadedWeights:
+    """A model's config, its tensors by GGUF name, and what the file holds."""
+
+    config: ModelConfig
+    tensors: dict[str, np.ndarray]
+    file_bytes: int
+    n_params: int
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.file_bytes / max(self.n_params, 1)
+
+
+def load(path: Path) -> LoadedWeights:
+    """Load a .gguf file or a Hugging Face folder."""
+    path = Path(path)
+    return load_hf_folder(path) if path.is_dir() else load_gguf(path)
+
+
+def gguf_fields(reader: GGUFReader) -> dict:
+    """Decode every scalar/string GGUF metadata field (arrays are skipped: they are huge)."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key != "tokenizer.ggml.model":
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:  # an exotic field type: the model does not need it
+            continue
+    return out
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE) back to HF's rotate-half order."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Apply llama.cpp's Q/K row permutation (what its converter writes into GGUF files)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: Path) -> LoadedWeights:
+    """Dequantize every tensor of a GGUF file to float32."""
+    reader = GGUFReader(path)
+    fields = gguf_fields(reader)
+    tensors = {}
+    n_params = 0
+    for t in reader.tensors:
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            array = np.asarray(t.data, dtype=np.float32)
+        else:
+            array = quants.dequantize(t.data, t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        # A copy: F32 tensors are read-only views of the memory-mapped file.
+        tensors[t.name] = np.array(array.reshape(shape), dtype=np.float32)
+        n_params += int(np.prod(shape))
+    vocab_size = tensors["token_embd.weight"].shape[0]
+    config = from_gguf_fields(
+        fields,
+        vocab_size=vocab_size,
+        tied="output.weight" not in tensors,
+        has_bias="blk.0.attn_q.bias" in tensors,
+    )
+    if config.arch in ("llama", "mistral"):
+        # llama.cpp's converter permutes Q/K for its interleaved RoPE; qwen GGUFs are not permuted.
+        for i in range(config.n_layers):
+            q, k = f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight"
+            tensors[q] = unpermute_rope_rows(tensors[q], config.n_heads)
+            tensors[k] = unpermute_rope_rows(tensors[k], config.n_kv_heads)
+    return LoadedWeights(config, tensors, file_bytes=path.stat().st_size, n_params=n_params)
+
+
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_HF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def hf_to_gguf_name(name: str) -> str | None:
+    """Map an HF Llama/Qwen tensor name to its GGUF name (None for tensors the model ignores)."""
+    if name in _HF_GLOBAL_NAMES:
+        return _HF_GLOBAL_NAMES[name]
+    m = _HF_LAYER.fullmatch(name)
+    if m and m.group(2) in _HF_LAYER_NAMES:
+        return f"blk.{m.group(1)}.{_HF_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def load_hf_folder(path: Path) -> LoadedWeights:
+    """Read config.json and every *.safetensors file of an HF checkpoint folder."""
+    from safetensors.torch import load_file  # torch: checkpoints are usually bf16
+
+    config = from_hf_config(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no .safetensors files")
+    tensors, file_bytes, n_params = {}, 0, 0
+    for f in files:
+        file_bytes += f.stat().st_size
+        for name, array in load_file(f).items():
+            target = hf_to_gguf_name(name)
+            if target is not None:
+                tensors[target] = array.float().numpy()
+                n_params += array.numel()
+    tied = "output.weight" not in tensors
+    return LoadedWeights(attrs.evolve(config, tied_embeddings=tied), tensors, file_bytes, n_params)

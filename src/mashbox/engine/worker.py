@@ -1,0 +1,37 @@
+"""The worker process: load the engine, then answer `Step`s over a pipe until `Shutdown`."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+from ..protocol import Shutdown, Step, WorkerFailed
+
+
+def worker_main(conn, path: str, slots: int, ctx: int, device: str, threads: int) -> None:
+    """Entry point of the engine process (spawned: it imports torch, the server never does)."""
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    from .engine import Engine
+
+    try:
+        engine = Engine(path, slots=slots, ctx=ctx, device=device)
+    except Exception as exc:
+        conn.send(WorkerFailed(f"cannot load {path}: {exc}"))
+        return
+    conn.send(engine.info)
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the server went away
+        if isinstance(msg, Shutdown):
+            return
+        assert isinstance(msg, Step), type(msg)
+        try:
+            conn.send(engine.step(msg))
+        except Exception:
+            conn.send(WorkerFailed(traceback.format_exc(limit=8)))
+            os._exit(1)  # state may be half-written: the supervisor starts a fresh worker

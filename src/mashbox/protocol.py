@@ -1,0 +1,95 @@
+"""The step protocol between the scheduler (trio, no torch) and the engine (torch, no trio).
+
+Every message is a small frozen value that pickles, so the engine can live in a worker
+process and be restarted without the scheduler knowing anything about tensors.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class SamplingParams:
+    """How to pick each new token; temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int = 0
+
+
+@attrs.frozen
+class Admit:
+    """Start a new sequence in `slot`: reset its sampling state (penalties see the prompt)."""
+
+    slot: int
+    params: SamplingParams
+    prompt_ids: tuple[int, ...]
+
+
+@attrs.frozen
+class Prefill:
+    """Write KV for `token_ids` at positions start.. of `slot`; sample after the last if asked."""
+
+    slot: int
+    start: int
+    token_ids: tuple[int, ...]
+    sample: bool
+
+
+@attrs.frozen
+class Decode:
+    """Feed one token at `position` of `slot` and sample the next."""
+
+    slot: int
+    token_id: int
+    position: int
+
+
+@attrs.frozen
+class Step:
+    """One engine step: admissions, then prefill chunks, then one batched decode."""
+
+    admits: tuple[Admit, ...] = ()
+    prefills: tuple[Prefill, ...] = ()
+    decodes: tuple[Decode, ...] = ()
+
+
+@attrs.frozen
+class StepResult:
+    """The token sampled for each slot that asked for one, and the step's device time."""
+
+    tokens: dict[int, int]
+    elapsed_s: float
+
+
+@attrs.frozen
+class EngineInfo:
+    """What the loaded engine tells the server once it is ready."""
+
+    arch: str
+    n_params: int
+    weight_bytes: int
+    bits_per_weight: float
+    device: str
+    dtype: str
+    n_layers: int
+    vocab_size: int
+    max_context: int
+
+
+@attrs.frozen
+class Shutdown:
+    """Ask the worker process to exit."""
+
+
+@attrs.frozen
+class WorkerFailed:
+    """The worker could not load or run a step; `message` is safe to log."""
+
+    message: str

@@ -1,0 +1,146 @@
+"""The engine alone: loading, KV-cached forward against a plain reference, sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from tinymodels import random_weights, write_gguf
+
+from mashbox.engine import weights as weights_mod
+from mashbox.engine.engine import Engine
+from mashbox.engine.sampling import sample, uniforms
+from mashbox.protocol import Admit, Decode, Prefill, SamplingParams, Step
+
+VOCAB = 97
+
+
+def no_tokenizer(writer):
+    writer.add_tokenizer_model("gpt2")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request, tmp_path_factory):
+    arch = request.param
+    w = random_weights(vocab=VOCAB, qkv_bias=arch == "qwen2", tied=arch == "qwen2", seed=3)
+    path = write_gguf(tmp_path_factory.mktemp(arch) / "m.gguf", w, no_tokenizer, arch=arch)
+    return arch, w, path
+
+
+def reference_hidden(w: dict, ids: list[int], n_heads=4, n_kv=2, eps=1e-5, theta=10000.0):
+    """A plain full-sequence forward, written independently of mashbox's model."""
+    t = {k: torch.from_numpy(v) for k, v in w.items()}
+    x = t["token_embd.weight"][torch.tensor(ids)]
+    n = len(ids)
+    hd = x.shape[1] // n_heads
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    ang = torch.outer(torch.arange(n, dtype=torch.float64), inv)
+    cos, sin = torch.cat([ang.cos()] * 2, -1).float(), torch.cat([ang.sin()] * 2, -1).float()
+
+    def norm(v, g):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * g
+
+    def rot(v):  # [heads, n, hd]
+        a, b = v[..., : hd // 2], v[..., hd // 2 :]
+        return v * cos + torch.cat([-b, a], -1) * sin
+
+    layers = sum(1 for k in w if k.endswith("attn_norm.weight"))
+    for i in range(layers):
+        p = f"blk.{i}."
+        h = norm(x, t[p + "attn_norm.weight"])
+        q = h @ t[p + "attn_q.weight"].T + t.get(p + "attn_q.bias", 0)
+        k = h @ t[p + "attn_k.weight"].T + t.get(p + "attn_k.bias", 0)
+        v = h @ t[p + "attn_v.weight"].T + t.get(p + "attn_v.bias", 0)
+        q = rot(q.view(n, n_heads, hd).transpose(0, 1))
+        k = rot(k.view(n, n_kv, hd).transpose(0, 1)).repeat_interleave(n_heads // n_kv, 0)
+        v = v.view(n, n_kv, hd).transpose(0, 1).repeat_interleave(n_heads // n_kv, 0)
+        att = (q @ k.transpose(1, 2)) / hd**0.5
+        att = att.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+        o = (att.softmax(-1) @ v).transpose(0, 1).reshape(n, -1)
+        x = x + o @ t[p + "attn_output.weight"].T
+        h = norm(x, t[p + "ffn_norm.weight"])
+        x = x + (F.silu(h @ t[p + "ffn_gate.weight"].T) * (h @ t[p + "ffn_up.weight"].T)) @ t[
+            p + "ffn_down.weight"
+        ].T.contiguous()
+    return norm(x, t["output_norm.weight"])
+
+
+def test_gguf_loads_the_weights_that_were_written(tiny):
+    arch, w, path = tiny
+    loaded = weights_mod.load(path)
+    assert loaded.config.arch == arch
+    assert loaded.config.tied_embeddings == (arch == "qwen2")
+    for name, array in w.items():
+        np.testing.assert_array_equal(loaded.tensors[name], array, err_msg=name)
+
+
+def test_chunked_prefill_and_decode_match_the_reference(tiny):
+    _, w, path = tiny
+    engine = Engine(path, slots=3, ctx=64)
+    ids = [5, 17, 3, 88, 42, 7, 19, 60, 2, 33, 71, 8]
+    ref = reference_hidden(w, ids)
+    cache, model = engine.cache, engine.model
+    # Prefill the first 7 tokens in two chunks into slot 2, then decode the rest one by one.
+    model.prefill(cache, 2, 0, torch.tensor(ids[:4]))
+    h = model.prefill(cache, 2, 4, torch.tensor(ids[4:7]))
+    torch.testing.assert_close(h, ref[6], rtol=1e-4, atol=1e-4)
+    for pos in range(7, len(ids)):
+        h = model.decode(cache, [2], torch.tensor([ids[pos]]), torch.tensor([pos]))
+        torch.testing.assert_close(h[0], ref[pos], rtol=1e-4, atol=1e-4)
+
+
+def test_batched_decode_rows_are_independent(tiny):
+    _, w, path = tiny
+    engine = Engine(path, slots=3, ctx=64)
+    a, b = [1, 2, 3, 4, 5, 6], [9, 8, 7]
+    ref_a, ref_b = reference_hidden(w, a), reference_hidden(w, b)
+    engine.model.prefill(engine.cache, 0, 0, torch.tensor(a[:-1]))
+    engine.model.prefill(engine.cache, 1, 0, torch.tensor(b[:-1]))
+    h = engine.model.decode(
+        engine.cache, [1, 0], torch.tensor([b[-1], a[-1]]), torch.tensor([len(b) - 1, len(a) - 1])
+    )
+    torch.testing.assert_close(h[0], ref_b[-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(h[1], ref_a[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_engine_steps_greedy_tokens_equal_reference(tiny):
+    _, w, path = tiny
+    engine = Engine(path, slots=2, ctx=64)
+    prompt = [4, 8, 15, 16, 23, 42]
+    greedy = SamplingParams()
+    res = engine.step(
+        Step(admits=(Admit(1, greedy, tuple(prompt)),), prefills=(Prefill(1, 0, tuple(prompt), True),))
+    )
+    seq = prompt + [res.tokens[1]]
+    for _ in range(5):
+        res = engine.step(Step(decodes=(Decode(1, seq[-1], len(seq) - 1),)))
+        seq.append(res.tokens[1])
+    expected = list(prompt)
+    for _ in range(6):
+        hidden = reference_hidden(w, expected)
+        logits = hidden[-1] @ torch.from_numpy(w.get("output.weight", w["token_embd.weight"])).T
+        expected.append(int(logits.argmax()))
+    assert seq == expected
+
+
+def test_uniforms_are_a_pure_function_of_seed_and_position():
+    a = uniforms(123, 7, 1000, "cpu")
+    assert torch.equal(a, uniforms(123, 7, 1000, "cpu"))
+    assert not torch.equal(a, uniforms(123, 8, 1000, "cpu"))
+    assert not torch.equal(a, uniforms(124, 7, 1000, "cpu"))
+    assert 0.0 < float(a.min()) and float(a.max()) < 1.0
+    assert abs(float(a.mean()) - 0.5) < 0.05
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    params = SamplingParams(temperature=1.0, seed=99)
+    counts = np.bincount([sample(logits, params, pos) for pos in range(4000)], minlength=4)
+    np.testing.assert_allclose(counts / 4000, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+    top_k = SamplingParams(temperature=1.0, top_k=2, seed=1)
+    assert {sample(logits, top_k, pos) for pos in range(300)} == {0, 1}
+    top_p = SamplingParams(temperature=1.0, top_p=0.7, seed=1)
+    assert {sample(logits, top_p, pos) for pos in range(300)} == {0, 1}
+    min_p = SamplingParams(temperature=1.0, min_p=0.5, seed=1)
+    assert {sample(logits, min_p, pos) for pos in range(300)} == {0, 1}

@@ -1,0 +1,183 @@
+"""Build tiny random-weight models as real GGUF files (and HF folders) for the tests.
+
+The weights are written the way llama.cpp's converter writes them (Q/K rows permuted for
+`llama`), so the tests exercise the real loading path.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from mashbox.engine.weights import permute_rope_rows
+
+
+def random_weights(
+    *,
+    vocab: int,
+    d_model: int = 64,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    d_ff: int = 128,
+    qkv_bias: bool = False,
+    tied: bool = False,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Random float32 weights under GGUF names, Q/K in Hugging Face (rotate-half) order."""
+    rng = np.random.default_rng(seed)
+    head_dim = d_model // n_heads
+
+    def mat(rows, cols, scale=None):
+        return (rng.standard_normal((rows, cols)) * (scale or cols**-0.5)).astype(np.float32)
+
+    def norm(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = {"token_embd.weight": mat(vocab, d_model, 1.0), "output_norm.weight": norm(d_model)}
+    if not tied:
+        w["output.weight"] = mat(vocab, d_model)
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        w[p + "attn_norm.weight"] = norm(d_model)
+        w[p + "attn_q.weight"] = mat(n_heads * head_dim, d_model)
+        w[p + "attn_k.weight"] = mat(n_kv_heads * head_dim, d_model)
+        w[p + "attn_v.weight"] = mat(n_kv_heads * head_dim, d_model)
+        if qkv_bias:
+            for name, n in (("q", n_heads), ("k", n_kv_heads), ("v", n_kv_heads)):
+                w[p + f"attn_{name}.bias"] = (0.1 * rng.standard_normal(n * head_dim)).astype(
+                    np.float32
+                )
+        w[p + "attn_output.weight"] = mat(d_model, n_heads * head_dim)
+        w[p + "ffn_norm.weight"] = norm(d_model)
+        w[p + "ffn_gate.weight"] = mat(d_ff, d_model)
+        w[p + "ffn_up.weight"] = mat(d_ff, d_model)
+        w[p + "ffn_down.weight"] = mat(d_model, d_ff)
+    return w
+
+
+def write_gguf(
+    path: Path,
+    weights: dict[str, np.ndarray],
+    add_tokenizer,
+    *,
+    arch: str = "llama",
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    context: int = 512,
+    quantize: bool = False,
+) -> Path:
+    """Write `weights` as a GGUF file; add_tokenizer(writer) adds the tokenizer metadata."""
+    d_model = weights["token_embd.weight"].shape[1]
+    n_layers = sum(1 for k in weights if k.endswith("attn_norm.weight"))
+    d_ff = weights["blk.0.ffn_gate.weight"].shape[0]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_block_count(n_layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(d_model)
+    writer.add_feed_forward_length(d_ff)
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv(n_kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    add_tokenizer(writer)
+    for name, array in weights.items():
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            array = permute_rope_rows(array, n_heads if "attn_q" in name else n_kv_heads)
+        if quantize and array.ndim == 2 and array.shape[1] % 32 == 0:
+            # Q8_0 keeps tiny models' outputs close to the float weights while testing dequant.
+            q = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def build_tiny_llama(workdir: Path, *, quantize: bool = False, seed: int = 0) -> Path:
+    """A 2-layer Llama with a trained SentencePiece vocabulary, as GGUF."""
+    import tinytok
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    spm = tinytok.train_spm(workdir)
+    import sentencepiece
+
+    vocab = sentencepiece.SentencePieceProcessor(model_file=str(spm)).get_piece_size()
+    weights = random_weights(vocab=vocab, seed=seed)
+    return write_gguf(
+        workdir / "tiny-llama.gguf",
+        weights,
+        lambda w: tinytok.add_spm_tokenizer(w, spm),
+        quantize=quantize,
+    )
+
+
+def build_tiny_qwen2(workdir: Path, *, seed: int = 1) -> Path:
+    """A 2-layer Qwen2 (qkv bias, tied embeddings) with a byte-level BPE vocabulary, as GGUF."""
+    import tinytok
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    tok = tinytok.train_bpe(workdir)
+    weights = random_weights(vocab=tok.get_vocab_size(), qkv_bias=True, tied=True, seed=seed)
+    return write_gguf(
+        workdir / "tiny-qwen2.gguf",
+        weights,
+        lambda w: tinytok.add_bpe_tokenizer(w, tok, pre="qwen2"),
+        arch="qwen2",
+    )
+
+
+def write_hf_folder(folder: Path, weights: dict[str, np.ndarray], tok, *, n_heads=4, n_kv=2):
+    """Write weights as an HF Llama checkpoint folder (safetensors + config + tokenizer)."""
+    import tinytok
+    import torch
+    from safetensors.torch import save_file
+
+    from mashbox.engine.weights import _HF_GLOBAL_NAMES, _HF_LAYER_NAMES
+
+    folder.mkdir(parents=True, exist_ok=True)
+    reverse = {v: k for k, v in _HF_GLOBAL_NAMES.items()}
+    layer_reverse = {v: k for k, v in _HF_LAYER_NAMES.items()}
+    out = {}
+    for name, array in weights.items():
+        if name in reverse:
+            hf = reverse[name]
+        else:
+            _, i, rest = name.split(".", 2)
+            hf = f"model.layers.{i}.{layer_reverse[rest]}"
+        out[hf] = torch.from_numpy(array).to(torch.bfloat16)
+    save_file(out, str(folder / "model.safetensors"))
+    d_model = weights["token_embd.weight"].shape[1]
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": d_model,
+        "intermediate_size": weights["blk.0.ffn_gate.weight"].shape[0],
+        "num_hidden_layers": sum(1 for k in weights if k.endswith("attn_norm.weight")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "vocab_size": weights["token_embd.weight"].shape[0],
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": "output.weight" not in weights,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": tinytok.CHATML_TEMPLATE,
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "add_bos_token": False,
+            }
+        )
+    )
+    return folder
