@@ -37,7 +37,7 @@ class Engine:
         self.cfg = loaded.config
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(device)
-        self.model = Model(self.cfg, loaded.tensors, self.device, self.dtype)
+        self.model = Model(self.cfg, loaded.tensors, self.device, self.dtype, n_positions=ctx)
         self.ctx = ctx
         self.cache = KVCache(self.cfg, slots, ctx, self.device, self.dtype)
         self.slots: list[_SlotState | None] = [None] * slots

@@ -16,11 +16,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (xf * weight.float()).to(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, device) -> tuple[Tensor, Tensor]:
-    """cos/sin for every position of the trained context, [positions, head_dim // 2]."""
+def rope_tables(cfg: ModelConfig, n_positions: int, device) -> tuple[Tensor, Tensor]:
+    """cos/sin for positions 0..n_positions-1, [positions, head_dim // 2]."""
     half = cfg.head_dim // 2
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
-    pos = torch.arange(cfg.max_context, dtype=torch.float64) / cfg.rope_scale
+    pos = torch.arange(n_positions, dtype=torch.float64) / cfg.rope_scale
     angles = torch.outer(pos, inv_freq)
     return angles.cos().float().to(device), angles.sin().float().to(device)
 
@@ -49,7 +49,7 @@ class KVCache:
 class Model:
     """Weights as plain tensors and a forward pass over flat token batches."""
 
-    def __init__(self, cfg: ModelConfig, tensors: dict, device, dtype):
+    def __init__(self, cfg: ModelConfig, tensors: dict, device, dtype, n_positions: int = 0):
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -86,7 +86,7 @@ class Model:
                     "w_down": t(p + "ffn_down.weight"),
                 }
             )
-        self.cos, self.sin = rope_tables(cfg, self.device)
+        self.cos, self.sin = rope_tables(cfg, max(n_positions, cfg.max_context), self.device)
 
     def forward(self, token_ids: Tensor, positions: Tensor, attend) -> Tensor:
         """Run the decoder on flat tokens; `attend(layer, q, k, v)` owns the KV cache.

@@ -14,6 +14,8 @@ def worker_main(conn, path: str, slots: int, ctx: int, device: str, threads: int
 
     if threads > 0:
         torch.set_num_threads(threads)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     from .engine import Engine
 
     try:

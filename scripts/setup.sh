@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv with the CPU build of torch, mashbox and its test tools. Safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    .venv/bin/python -m pip install --quiet torch
+  else
+    # The CPU build: an unpinned torch would pull a multi-GB CUDA build.
+    .venv/bin/python -m pip install --quiet torch==2.13.0
+  fi
+fi
+.venv/bin/python -m pip install --quiet -e '.[test]'

@@ -1,0 +1,83 @@
+"""The `mashbox` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from . import __version__
+from .registry import DEFAULT_MODEL
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mashbox", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"mashbox {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="serve one model over HTTP")
+    run.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"a model id from models.json, a .gguf file or an HF folder (default {DEFAULT_MODEL})",
+    )
+    run.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    run.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free)")
+    run.add_argument(
+        "--ctx", type=int, default=None, help="tokens per slot (default: the model's, at most 8192)"
+    )
+    run.add_argument("--slots", type=int, default=4, help="requests decoded together (default 4)")
+    run.add_argument(
+        "--models-dir",
+        type=Path,
+        default=None,
+        help="cache for downloaded weights (default $MASHBOX_MODELS_DIR or ~/.cache/mashbox/models)",
+    )
+    run.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    run.add_argument(
+        "--threads", type=int, default=0, help="torch CPU threads (default: all cores)"
+    )
+    run.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        help="prompt tokens prefilled per step, so long prompts never stall streams (default 256)",
+    )
+    run.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=float(os.environ.get("MASHBOX_STALL_TIMEOUT", 30)),
+        help="seconds a streaming client may read nothing before it is dropped (default 30)",
+    )
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="mashbox: %(message)s")
+    logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
+    if args.command == "run":
+        from .serve import ServeOptions, run
+
+        if args.slots < 1:
+            _parser().error("--slots must be at least 1")
+        if args.ctx is not None and args.ctx < 16:
+            _parser().error("--ctx must be at least 16")
+        opts = ServeOptions(
+            host=args.host,
+            port=args.port,
+            ctx=args.ctx,
+            slots=args.slots,
+            models_dir=args.models_dir,
+            device=args.device,
+            threads=args.threads,
+            prefill_chunk=args.prefill_chunk,
+            stall_timeout=args.stall_timeout,
+        )
+        return run(args.model, opts)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,390 @@
+"""The scheduler: the one task that admits requests into slots, steps the engine and feeds
+each request's bounded channel. It never imports torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import secrets
+import time
+
+import attrs
+import trio
+
+from .protocol import Admit, Decode, Prefill, SamplingParams, Step
+from .text.stops import StopMatcher
+from .text.tokenizer import Detokenizer, Tokenizer
+
+MAX_WAITING_PER_TENANT = 32
+MAX_WAITING = 256
+CHANNEL_SIZE = 64
+
+
+class NotReady(Exception):
+    """The model is not loaded (or the worker is restarting)."""
+
+
+class QueueFull(Exception):
+    """Too many requests are waiting: for this tenant, or in all."""
+
+    def __init__(self, message: str, *, whole_queue: bool):
+        super().__init__(message)
+        self.whole_queue = whole_queue
+
+
+@attrs.frozen
+class TextDelta:
+    """New text of the answer."""
+
+    text: str
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@attrs.frozen
+class Timings:
+    """llama-server's timings block (milliseconds)."""
+
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_second: float | None
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_second: float | None
+    cache_n: int
+    queue_ms: float
+
+
+@attrs.frozen
+class Finished:
+    """The answer ended: stop (end of turn or a stop string) or length."""
+
+    reason: str
+    usage: Usage
+    timings: Timings
+
+
+@attrs.frozen
+class Failed:
+    """The answer could not be produced."""
+
+    message: str
+
+
+@attrs.frozen
+class Request:
+    """What a route asks for, already tokenized and validated."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    tenant: str = ""
+
+
+@attrs.define(eq=False)
+class Sequence:
+    """A request owned by the scheduler; its handler holds only the receive channel."""
+
+    request: Request
+    channel: trio.MemorySendChannel
+    detok: Detokenizer
+    stops: StopMatcher
+    t_submit: float
+    slot: Slot | None = None
+    admitted: bool = False  # the worker has its sampling state
+    prefilled: int = 0  # prompt tokens whose KV the slot holds
+    cached: int = 0
+    output_ids: list[int] = attrs.Factory(list)
+    outbox: collections.deque = attrs.Factory(collections.deque)
+    blocked_since: float | None = None
+    cancelled: bool = False
+    done: bool = False
+    t_start: float | None = None
+    t_first: float | None = None
+    t_last: float | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.request.prompt_ids)
+
+
+@attrs.define(eq=False)
+class Slot:
+    """One KV slot; `tokens` is exactly what its cache holds, kept after a request ends."""
+
+    index: int
+    tokens: list[int] = attrs.Factory(list)
+    seq: Sequence | None = None
+    last_used: int = 0
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@attrs.frozen
+class Stats:
+    """A snapshot for /health and metrics."""
+
+    running: int
+    waiting: int
+
+
+class Scheduler:
+    """Queue, slots and the step loop."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        slots: int,
+        ctx: int,
+        prefill_chunk: int = 256,
+        stall_timeout: float = 30.0,
+    ):
+        self.tokenizer = tokenizer
+        self.ctx = ctx
+        self.prefill_chunk = prefill_chunk
+        self.stall_timeout = stall_timeout
+        self.slots = [Slot(i) for i in range(slots)]
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.draining: list[Sequence] = []  # finished, events not yet taken by the handler
+        self.worker = None
+        self._wakeup = trio.Event()
+        self._uses = 0
+
+    # --- called by request handlers -------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.worker is not None
+
+    def stats(self) -> Stats:
+        running = sum(1 for s in self.slots if s.seq is not None)
+        return Stats(running=running, waiting=len(self.waiting))
+
+    def submit(self, request: Request) -> tuple[Sequence, trio.MemoryReceiveChannel]:
+        """Queue a request; raise NotReady or QueueFull instead of queueing."""
+        if not self.ready:
+            raise NotReady("the model is loading")
+        if len(self.waiting) >= MAX_WAITING:
+            raise QueueFull(f"the server's queue is full ({MAX_WAITING} waiting)", whole_queue=True)
+        mine = sum(1 for s in self.waiting if s.request.tenant == request.tenant)
+        if mine >= MAX_WAITING_PER_TENANT:
+            raise QueueFull(
+                f"too many requests waiting ({MAX_WAITING_PER_TENANT} per tenant)",
+                whole_queue=False,
+            )
+        send, receive = trio.open_memory_channel(CHANNEL_SIZE)
+        seq = Sequence(
+            request=request,
+            channel=send,
+            detok=Detokenizer(self.tokenizer),
+            stops=StopMatcher(list(request.stop)),
+            t_submit=time.perf_counter(),
+        )
+        self.waiting.append(seq)
+        self._wakeup.set()
+        return seq, receive
+
+    def cancel(self, seq: Sequence) -> None:
+        """Forget a request now (its handler is gone); its slot frees before the next step."""
+        if not seq.cancelled:
+            seq.cancelled = True
+            self._wakeup.set()
+
+    # --- the loop -------------------------------------------------------------------------
+
+    async def run(self, worker) -> None:
+        """Step the engine forever; `worker` has `await step(Step) -> StepResult`."""
+        self.worker = worker
+        while True:
+            self._deliver()
+            self._reap()
+            self._admit()
+            step = self._plan()
+            if step is None:
+                await self._idle()
+                continue
+            result = await worker.step(step)
+            self._apply(step, result.tokens)
+
+    async def _idle(self) -> None:
+        blocked = any(s.outbox for s in self._live())
+        self._wakeup = trio.Event()
+        # A reader that drains its channel does not signal us: poll while anyone is blocked.
+        with trio.move_on_after(0.02 if blocked else math.inf):
+            await self._wakeup.wait()
+
+    def _live(self):
+        yield from (s.seq for s in self.slots if s.seq is not None)
+        yield from self.draining
+
+    def _deliver(self) -> None:
+        """Move each sequence's pending events into its channel without ever waiting."""
+        now = time.perf_counter()
+        for seq in list(self._live()):
+            while seq.outbox:
+                try:
+                    seq.channel.send_nowait(seq.outbox[0])
+                except trio.WouldBlock:
+                    if seq.blocked_since is None:
+                        seq.blocked_since = now
+                    break
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    seq.cancelled = True
+                    break
+                seq.outbox.popleft()
+            else:
+                seq.blocked_since = None
+                if seq.done:
+                    seq.channel.close()
+                    self.draining.remove(seq)
+
+    def _reap(self) -> None:
+        """Drop cancelled requests and readers stalled past the deadline."""
+        now = time.perf_counter()
+        for seq in list(self._live()):
+            stalled = seq.blocked_since is not None and now - seq.blocked_since > self.stall_timeout
+            if seq.cancelled or stalled:
+                self._drop(seq)
+        if any(s.cancelled for s in self.waiting):
+            for seq in [s for s in self.waiting if s.cancelled]:
+                self.waiting.remove(seq)
+                seq.channel.close()
+
+    def _drop(self, seq: Sequence) -> None:
+        seq.cancelled = True
+        self._release(seq)
+        if seq in self.draining:
+            self.draining.remove(seq)
+        seq.channel.close()
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            seq.slot.seq = None
+            seq.slot = None
+
+    def _admit(self) -> None:
+        """Give free slots to waiting requests, each to the slot sharing its longest prefix."""
+        while self.waiting:
+            free = [s for s in self.slots if s.seq is None]
+            if not free:
+                return
+            seq = self.waiting.popleft()
+            prompt = seq.request.prompt_ids
+            # Longest shared prefix first; among equals the least recently used slot.
+            slot = max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
+            # At least one prompt token is always prefilled: its logits give the first token.
+            seq.cached = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)
+            del slot.tokens[seq.cached :]
+            seq.prefilled = seq.cached
+            self._uses += 1
+            slot.seq, slot.last_used, seq.slot = seq, self._uses, slot
+            seq.t_start = time.perf_counter()
+
+    def _plan(self) -> Step | None:
+        admits, prefills, decodes = [], [], []
+        budget = self.prefill_chunk
+        for slot in self.slots:
+            seq = slot.seq
+            if seq is None:
+                continue
+            if not seq.admitted:
+                admits.append(Admit(slot.index, seq.request.params, seq.request.prompt_ids))
+                seq.admitted = True
+            if seq.decoding:
+                if not seq.outbox:  # a reader that is behind sits out until it catches up
+                    pos = len(seq.request.prompt_ids) + len(seq.output_ids) - 1
+                    decodes.append(Decode(slot.index, seq.output_ids[-1], pos))
+            elif budget > 0:
+                prompt = seq.request.prompt_ids
+                chunk = prompt[seq.prefilled : seq.prefilled + budget]
+                budget -= len(chunk)
+                last = seq.prefilled + len(chunk) == len(prompt)
+                prefills.append(Prefill(slot.index, seq.prefilled, chunk, last))
+        if not (admits or prefills or decodes):
+            return None
+        return Step(tuple(admits), tuple(prefills), tuple(decodes))
+
+    def _apply(self, step: Step, tokens: dict[int, int]) -> None:
+        now = time.perf_counter()
+        for p in step.prefills:
+            slot = self.slots[p.slot]
+            if slot.seq is None or slot.seq.cancelled:
+                continue
+            slot.tokens.extend(p.token_ids)
+            slot.seq.prefilled += len(p.token_ids)
+            if p.sample:
+                self._on_token(slot.seq, tokens[p.slot], now)
+        for d in step.decodes:
+            slot = self.slots[d.slot]
+            if slot.seq is None or slot.seq.cancelled:
+                continue
+            slot.tokens.append(d.token_id)
+            self._on_token(slot.seq, tokens[d.slot], now)
+
+    def _on_token(self, seq: Sequence, token: int, now: float) -> None:
+        if seq.t_first is None:
+            seq.t_first = now
+        seq.t_last = now
+        seq.output_ids.append(token)
+        if token in self.tokenizer.eog_ids:
+            return self._finish(seq, "stop")
+        text, stopped = seq.stops.feed(seq.detok.feed(token))
+        if text:
+            seq.outbox.append(TextDelta(text))
+        if stopped:
+            return self._finish(seq, "stop", flush=False)
+        n_prompt, n_out = len(seq.request.prompt_ids), len(seq.output_ids)
+        if n_out >= seq.request.max_tokens or n_prompt + n_out >= self.ctx:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str, *, flush: bool = True) -> None:
+        if flush:
+            text, _ = seq.stops.feed(seq.detok.flush())
+            text += seq.stops.flush()
+            if text:
+                seq.outbox.append(TextDelta(text))
+        seq.outbox.append(Finished(reason, self._usage(seq), self._timings(seq)))
+        seq.done = True
+        self._release(seq)
+        self.draining.append(seq)
+
+    def _usage(self, seq: Sequence) -> Usage:
+        return Usage(len(seq.request.prompt_ids), len(seq.output_ids), seq.cached)
+
+    def _timings(self, seq: Sequence) -> Timings:
+        prompt_n = len(seq.request.prompt_ids) - seq.cached
+        prompt_ms = (seq.t_first - seq.t_start) * 1000
+        predicted_ms = (seq.t_last - seq.t_first) * 1000
+        n = len(seq.output_ids)
+        return Timings(
+            prompt_n=prompt_n,
+            prompt_ms=round(prompt_ms, 3),
+            prompt_per_second=round(prompt_n / prompt_ms * 1000, 2) if prompt_ms > 0 else None,
+            predicted_n=n,
+            predicted_ms=round(predicted_ms, 3),
+            predicted_per_second=(
+                round((n - 1) / predicted_ms * 1000, 2) if n > 1 and predicted_ms > 0 else None
+            ),
+            cache_n=seq.cached,
+            queue_ms=round((seq.t_start - seq.t_submit) * 1000, 3),
+        )
+
+
+def random_seed() -> int:
+    """A seed for requests that give none (still counter-based: reproducible if echoed)."""
+    return secrets.randbits(63)

@@ -1,0 +1,182 @@
+"""`mashbox run`: bind, load the model in a worker process, serve until a signal."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import socket
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import attrs
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+
+from . import registry
+from .scheduler import Scheduler
+from .server.app import ShieldFinalSend, create_app
+from .server.state import ServerState
+from .text.chat_template import ChatTemplate
+from .text.tokenizer import Tokenizer
+from .worker_client import WorkerError, WorkerProcess
+
+log = logging.getLogger("mashbox")
+
+
+class FatalError(Exception):
+    """Stops the server with a one-line message (exit status 1)."""
+
+
+@attrs.frozen
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    ctx: int | None = None
+    slots: int = 4
+    models_dir: Path | None = None
+    device: str = "auto"
+    threads: int = 0
+    prefill_chunk: int = 256
+    stall_timeout: float = 30.0
+
+
+def bind(host: str, port: int, stall_timeout: float) -> socket.socket:
+    """Bind and listen now, so a busy port is a clear error before anything loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Second line of defence against a client that stops reading: the kernel gives up on
+    # unacknowledged data (and zero-window probes) after this long; accepted sockets inherit it.
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(stall_timeout * 1000))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise FatalError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+def context_length(path: Path) -> int:
+    """The context the model was trained for, read from its metadata."""
+    if path.is_dir():
+        return int(json.loads((path / "config.json").read_text()).get("max_position_embeddings", 4096))
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    field = reader.fields.get(f"{arch}.context_length")
+    return int(field.contents()) if field else 4096
+
+
+def load_text(path: Path) -> tuple[Tokenizer, ChatTemplate]:
+    tok = Tokenizer.from_hf_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    return tok, ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
+
+
+class _Progress:
+    """Log download/verify progress at most twice a second."""
+
+    def __init__(self):
+        self.t0 = time.monotonic()
+        self.last = 0.0
+
+    def __call__(self, done: int, total: int | None, message: str) -> None:
+        now = time.monotonic()
+        if now - self.last < 0.5 and (total is None or done < total):
+            return
+        self.last = now
+        size = f"{done / 1e6:.1f}/{total / 1e6:.1f} MB" if total else f"{done / 1e6:.1f} MB"
+        log.info("%s: %s (%.1f s)", message, size, now - self.t0)
+
+
+async def serve(ref: registry.ModelRef, sock: socket.socket, opts: ServeOptions) -> None:
+    """Serve `ref` on the bound socket until SIGINT or SIGTERM."""
+    state = ServerState(model_id=ref.id, ctx=opts.ctx or 0, slots=opts.slots)
+    config = Config()
+    config.bind = [f"fd://{sock.fileno()}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.keep_alive_timeout = 75
+    app = ShieldFinalSend(create_app(state))
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    shutdown = trio.Event()
+    worker = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_wait_for_signal, shutdown, nursery.cancel_scope)
+            await nursery.start(
+                partial(hypercorn_serve, app, config, shutdown_trigger=shutdown.wait)
+            )
+            log.info("listening on %s (loading %s)", url, ref.id)
+            t0 = time.monotonic()
+            models_dir = opts.models_dir or registry.default_models_dir()
+            try:
+                path = await trio.to_thread.run_sync(
+                    partial(registry.fetch, ref, models_dir, progress=_Progress())
+                )
+            except registry.ModelError as exc:
+                raise FatalError(str(exc)) from None
+            trained = await trio.to_thread.run_sync(context_length, path)
+            ctx = opts.ctx or min(trained, 8192)
+            state.ctx = ctx
+            state.weights_name = path.name
+            tokenizer, template = await trio.to_thread.run_sync(load_text, path)
+            worker = WorkerProcess(
+                path, slots=opts.slots, ctx=ctx, device=opts.device, threads=opts.threads
+            )
+            try:
+                state.info = await worker.start()
+            except WorkerError as exc:
+                raise FatalError(str(exc)) from None
+            state.worker_pid = worker.pid
+            state.tokenizer, state.template = tokenizer, template
+            scheduler = Scheduler(
+                tokenizer,
+                slots=opts.slots,
+                ctx=ctx,
+                prefill_chunk=opts.prefill_chunk,
+                stall_timeout=opts.stall_timeout,
+            )
+            state.scheduler = scheduler
+            nursery.start_soon(scheduler.run, worker)
+            info = state.info
+            log.info(
+                "ready in %.1f s: %s (%s, %.0fM params, %s on %s), %d slots x %d tokens",
+                time.monotonic() - t0, ref.id, info.arch, info.n_params / 1e6, info.dtype,
+                info.device, opts.slots, ctx,
+            )
+            log.info("point clients at %s/v1 (OpenAI) or %s (Anthropic)", url, url)
+    finally:
+        if worker is not None:
+            worker.kill()
+
+
+async def _wait_for_signal(shutdown: trio.Event, scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("%s: shutting down", signal.Signals(signum).name)
+            shutdown.set()
+            # Give hypercorn a moment to stop accepting, then end every task.
+            await trio.sleep(0.2)
+            scope.cancel()
+            return
+
+
+def run(model: str, opts: ServeOptions) -> int:
+    """Resolve, bind and serve; return the exit status."""
+    try:
+        ref = registry.resolve(model)
+        sock = bind(opts.host, opts.port, opts.stall_timeout)
+        trio.run(serve, ref, sock, opts)
+    except (FatalError, registry.ModelError) as exc:
+        print(f"mashbox: error: {exc}", file=sys.stderr)
+        return 1
+    return 0

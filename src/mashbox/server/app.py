@@ -1,0 +1,153 @@
+"""The HTTP application: routes, error shapes, and the ASGI fix for closing connections."""
+
+from __future__ import annotations
+
+import json
+
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from . import openai_api
+from .errors import ApiError
+from .state import ServerState
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+def _json(body, status: int = 200, headers=None) -> Response:
+    response = Response(
+        json.dumps(body, ensure_ascii=False), status=status, mimetype="application/json"
+    )
+    for key, value in (headers or {}).items():
+        response.headers[key] = value
+    return response
+
+
+def health_body(state: ServerState) -> dict:
+    """The `Health` document; fields that later parts fill stay at their idle values."""
+    stats = state.scheduler.stats() if state.scheduler else None
+    return {
+        "status": "ok" if state.ready else "loading",
+        "live_rows": stats.running if stats else None,
+        "waiting": stats.waiting if stats else 0,
+        "cache_bytes": 0,
+        "host_cache_bytes": 0,
+        "snapshot_bytes": 0,
+        "host_cache_cap_bytes": 0,
+        "host_cache_evictions": 0,
+        "cache_namespace": None,
+        "deployment_id": None,
+        "component_set_sha": None,
+        "certification": "not_certified",
+        "compiles_after_ready": 0 if state.ready else None,
+        "routed_experts": None,
+        "worker_pid": state.worker_pid,
+        "worker_restarts": state.worker_restarts,
+    }
+
+
+def model_card(state: ServerState) -> dict:
+    info = state.info
+    return {
+        "id": state.model_id,
+        "object": "model",
+        "owned_by": "mashbox-labs",
+        "created": 0,
+        "max_model_len": state.ctx,
+        "weights": state.weights_name,
+        "gb": round(info.n_params * (2 if info.dtype == "bfloat16" else 4) / 1e9, 3) if info else 0,
+        "bpw": info.bits_per_weight if info else 0,
+        "prefix_cache": True,
+        "slots": state.slots,
+        "cache_ram_mib": 0,
+    }
+
+
+async def _json_body():
+    """The request's JSON object, or a 4xx naming what is wrong with it."""
+    content_type = request.mimetype or ""
+    if content_type != "application/json":
+        raise ApiError(415, "the body must be JSON (Content-Type: application/json)")
+    raw = await request.get_data(cache=False)
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+
+
+def create_app(state: ServerState) -> QuartTrio:
+    """Build the Quart-Trio app over shared server state."""
+    app = QuartTrio("mashbox")
+    app.config["RESPONSE_TIMEOUT"] = None  # quart's 60 s default would cut long streams
+    app.config["BODY_TIMEOUT"] = 60
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+
+    @app.errorhandler(ApiError)
+    async def api_error(exc: ApiError):
+        return _json(exc.body(), exc.status, exc.headers)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException):
+        kind = "invalid_request_error" if exc.code < 500 else "server_error"
+        headers = {}
+        if exc.code == 405 and exc.valid_methods:
+            headers["Allow"] = ", ".join(exc.valid_methods)
+        return _json({"error": {"message": exc.description, "type": kind}}, exc.code, headers)
+
+    @app.errorhandler(Exception)
+    async def unexpected(exc: Exception):
+        app.logger.exception("unexpected error")
+        return _json({"error": {"message": "internal error", "type": "server_error"}}, 500)
+
+    async def health():
+        return _json(health_body(state), 200 if state.ready else 503)
+
+    for path in ("/v1/health", "/health", "/"):
+        app.add_url_rule(path, f"health{path}", health, methods=["GET"])
+
+    @app.get("/v1/models")
+    async def list_models():
+        return _json({"object": "list", "data": [model_card(state)]})
+
+    @app.get("/v1/models/<path:model>")
+    async def get_model(model: str):
+        if model != state.model_id:
+            raise ApiError(404, f"model '{model}' is not served here", code="model_not_found")
+        return _json(model_card(state))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions():
+        result = await openai_api.chat_completions(state, await _json_body())
+        return result if isinstance(result, Response) else _json(result)
+
+    @app.post("/v1/completions")
+    async def completions():
+        result = await openai_api.completions(state, await _json_body())
+        return result if isinstance(result, Response) else _json(result)
+
+    return app
+
+
+class ShieldFinalSend:
+    """ASGI wrapper: shield the last body message from cancellation.
+
+    quart-trio cancels its request nursery on `http.disconnect` while hypercorn may be inside
+    the final send; unshielded, the connection is never closed (Connection: close, HTTP/1.0).
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        async def shielded_send(message):
+            if message.get("type") == "http.response.body" and not message.get("more_body"):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        await self.app(scope, receive, shielded_send)

@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny models built on the spot, and real servers running them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from serverproc import ServerProcess  # noqa: E402
+from tinymodels import build_tiny_llama, build_tiny_qwen2  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A 2-layer Llama GGUF (SentencePiece vocabulary, Q8_0 and F32 tensors)."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), quantize=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    """A 2-layer Qwen2 GGUF (byte-level BPE vocabulary, qkv bias, tied embeddings)."""
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def server(tiny_llama, tmp_path_factory):
+    """A real `mashbox run` on the tiny Llama: 4 slots of 256 tokens."""
+    proc = ServerProcess(
+        str(tiny_llama),
+        "--ctx", "256", "--slots", "4", "--threads", "1",
+        log=tmp_path_factory.mktemp("logs") / "server.log",
+    )
+    try:
+        proc.wait_ready(120)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def default_server(tmp_path_factory):
+    """A real `mashbox run` on the shipped default model (fetched on first use)."""
+    proc = ServerProcess("smollm2-135m-instruct", "--ctx", "2048", "--slots", "4")
+    try:
+        proc.wait_ready(900)
+        yield proc
+    finally:
+        proc.stop()

@@ -1,0 +1,285 @@
+"""End to end through a real `mashbox run` on the tiny Llama: routes, SSE, limits, errors."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+import trio
+
+CHAT = "/v1/chat/completions"
+
+
+def sse_events(text: str) -> list:
+    """Parse an SSE body into JSON payloads, keeping the final [DONE] as a string."""
+    out = []
+    for block in text.strip().split("\n\n"):
+        assert block.startswith("data: "), block
+        data = block.removeprefix("data: ")
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def chat_body(content="Tell me about Paris.", **extra) -> dict:
+    return {"messages": [{"role": "user", "content": content}], **extra}
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_health_and_models(server):
+    for path in ("/v1/health", "/health", "/"):
+        r = httpx.get(server.url + path)
+        assert r.status_code == 200
+        body = r.json()
+        assert body["status"] == "ok"
+        assert body["live_rows"] == 0 and body["waiting"] == 0
+        assert isinstance(body["worker_pid"], int)
+        head = httpx.head(server.url + path)
+        assert head.status_code == 200 and head.content == b""
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["object"] == "list"
+    (card,) = models["data"]
+    assert card["id"] == "tiny-llama.gguf"
+    assert card["object"] == "model" and card["owned_by"] == "mashbox-labs"
+    assert card["max_model_len"] == 256 and card["slots"] == 4
+    assert httpx.get(server.url + "/v1/models/tiny-llama.gguf").json() == card
+    r = httpx.get(server.url + "/v1/models/gpt-4")
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found"
+
+
+def test_chat_completion_through_the_sdk(client):
+    r = client.chat.completions.create(
+        model="tiny-llama.gguf",
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=12,
+    )
+    assert r.object == "chat.completion"
+    assert r.id.startswith("chatcmpl-")
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    timings = r.model_extra["timings"]
+    assert timings["predicted_n"] == r.usage.completion_tokens
+    assert timings["prompt_n"] + timings["cache_n"] == r.usage.prompt_tokens
+
+
+def test_greedy_is_deterministic_and_stream_equals_whole(client):
+    kwargs = dict(model="tiny-llama.gguf", messages=[{"role": "user", "content": "Paris"}])
+    a = client.chat.completions.create(max_tokens=20, **kwargs)
+    b = client.chat.completions.create(max_tokens=20, **kwargs)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    stream = client.chat.completions.create(
+        max_tokens=20, stream=True, stream_options={"include_usage": True}, **kwargs
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == a.choices[0].message.content
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == a.choices[0].finish_reason
+    assert "timings" in finish[0].model_extra
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.total_tokens == a.usage.total_tokens
+    assert "timings" in usage_chunk.model_extra
+
+
+def test_stream_wire_format(server):
+    body = chat_body(stream=True, max_tokens=5)
+    r = httpx.post(server.url + CHAT, json=body, timeout=60)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert {e["id"] for e in events[:-1]} == {events[0]["id"]}
+    assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+    # Without include_usage no chunk carries usage.
+    assert all("usage" not in e for e in events[:-1])
+
+
+def test_max_tokens_ends_with_length(client):
+    r = client.chat.completions.create(
+        model="tiny-llama.gguf",
+        messages=[{"role": "user", "content": "count"}],
+        max_tokens=3,
+        temperature=1.0,
+        seed=7,
+        # Penalties keep a random model from ending its turn early.
+        presence_penalty=2.0,
+    )
+    if r.choices[0].finish_reason == "length":
+        assert r.usage.completion_tokens == 3
+    else:
+        assert r.usage.completion_tokens < 3
+
+
+def test_max_completion_tokens_wins(server):
+    r = httpx.post(
+        server.url + CHAT, json=chat_body(max_tokens=50, max_completion_tokens=2), timeout=60
+    ).json()
+    assert r["usage"]["completion_tokens"] <= 2
+
+
+def test_completions_whole_and_streamed(server):
+    body = {"prompt": "The capital of France is", "max_tokens": 8}
+    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    assert whole["object"] == "text_completion"
+    assert whole["id"].startswith("cmpl-")
+    assert whole["system_fingerprint"].startswith("seed-")
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] in ("stop", "length")
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        timeout=60,
+    )
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == choice["text"]
+    assert events[-2]["usage"] == whole["usage"]
+    as_list = httpx.post(
+        server.url + "/v1/completions", json={**body, "prompt": [body["prompt"]]}, timeout=60
+    ).json()
+    assert as_list["choices"][0]["text"] == choice["text"]
+
+
+def test_stop_string_cuts_the_text(server):
+    base = {"prompt": "Paris is", "max_tokens": 24, "temperature": 0}
+    free = httpx.post(server.url + "/v1/completions", json=base, timeout=60).json()
+    text = free["choices"][0]["text"]
+    if len(text) < 6:
+        pytest.skip("the tiny model ended too early to pick a stop string")
+    stop = text[3:6]
+    cut = httpx.post(server.url + "/v1/completions", json={**base, "stop": [stop]}, timeout=60)
+    got = cut.json()["choices"][0]
+    assert got["finish_reason"] == "stop"
+    assert got["text"] == text[: text.index(stop)]
+    # The same through a stream: nothing of the stop string leaks.
+    r = httpx.post(
+        server.url + "/v1/completions", json={**base, "stop": stop, "stream": True}, timeout=60
+    )
+    streamed = "".join(e["choices"][0]["text"] for e in sse_events(r.text)[:-1] if e["choices"])
+    assert streamed == got["text"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", 4.5),
+        ("temperature", "hot"),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("min_p", 1.0),
+        ("repetition_penalty", 0),
+        ("frequency_penalty", 2.5),
+        ("presence_penalty", -3),
+        ("max_tokens", 0),
+        ("max_completion_tokens", 1.5),
+        ("n", 2),
+        ("logprobs", True),
+        ("top_logprobs", 2),
+        ("seed", "x"),
+        ("stop", ["ok", ""]),
+        ("stream", "yes"),
+        ("response_format", {"type": "json_object"}),
+    ],
+)
+def test_bad_fields_are_400_naming_the_field(server, field, value):
+    r = httpx.post(server.url + CHAT, json=chat_body(**{field: value}), timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert field in error["message"]
+
+
+def test_malformed_requests(server):
+    url = server.url + CHAT
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(url, json=[1, 2])
+    assert r.status_code == 400
+    r = httpx.post(url, json={"model": "tiny-llama.gguf"})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"messages": [{"role": "robot", "content": "hi"}]})
+    assert r.status_code == 400 and "role" in r.json()["error"]["message"]
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    r = httpx.post(url, json={"messages": [{"role": "user", "content": [image]}]})
+    assert r.status_code == 400 and "text only" in r.json()["error"]["message"]
+    r = httpx.post(url, content=b"messages=1", headers={"content-type": "text/plain"})
+    assert r.status_code == 415
+    r = httpx.post(server.url + "/v1/completions", json={"max_tokens": 3})
+    assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+    r = httpx.get(url)
+    assert r.status_code == 405
+    r = httpx.post(server.url + "/health", json={})
+    assert r.status_code == 405
+    r = httpx.get(server.url + "/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_another_model_is_404_and_absent_model_is_fine(server):
+    r = httpx.post(server.url + CHAT, json=chat_body(model="gpt-4o", max_tokens=2))
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found"
+    assert httpx.post(server.url + CHAT, json=chat_body(max_tokens=2), timeout=60).status_code == 200
+
+
+def test_prompt_longer_than_the_context_is_400(server):
+    long = "Paris France capital " * 200
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": long, "max_tokens": 2})
+    assert r.status_code == 400
+    assert "context" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+async def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(server):
+    seeded = chat_body("Write about France.", temperature=1.0, top_p=0.95, seed=1234, max_tokens=24)
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+        alone = (await http.post(CHAT, json=seeded)).json()["choices"][0]["message"]["content"]
+        results = {}
+
+        async def one(name, body):
+            r = await http.post(CHAT, json=body)
+            results[name] = r.json()["choices"][0]["message"]["content"]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                other = chat_body(f"Noise {i} capital", temperature=1.0, seed=i, max_tokens=30)
+                nursery.start_soon(one, f"other{i}", other)
+            await trio.sleep(0.05)
+            nursery.start_soon(one, "seeded", seeded)
+        assert results["seeded"] == alone
+        # And a different seed gives another answer.
+        other_seed = (await http.post(CHAT, json={**seeded, "seed": 99})).json()
+        assert other_seed["choices"][0]["message"]["content"] != alone
+
+
+async def test_concurrent_streams_all_progress(server):
+    """A late request's first token does not wait for the running ones to finish."""
+    long = chat_body("Tell a long story.", max_tokens=120, temperature=1.0, seed=3,
+                     presence_penalty=1.5, stream=True)
+    events = []
+
+    async def stream(name, body):
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            async with http.stream("POST", CHAT, json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and '"content"' in line:
+                        events.append((name, trio.current_time()))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream, "first", long)
+        while not any(name == "first" for name, _ in events):
+            await trio.sleep(0.01)
+        nursery.start_soon(stream, "late", {**long, "max_tokens": 3, "seed": 4})
+    first_done = max(t for name, t in events if name == "first")
+    late_first = min(t for name, t in events if name == "late")
+    assert late_first < first_done
