@@ -30,7 +30,12 @@ def server(tiny_llama, tmp_path_factory):
     """A real `mashbox run` on the tiny Llama: 4 slots of 256 tokens."""
     proc = ServerProcess(
         str(tiny_llama),
-        "--ctx", "256", "--slots", "4", "--threads", "1",
+        "--ctx",
+        "256",
+        "--slots",
+        "4",
+        "--threads",
+        "1",
         log=tmp_path_factory.mktemp("logs") / "server.log",
     )
     try:

@@ -33,7 +33,8 @@ class ServerProcess:
             env={**os.environ, **(env or {})},
         )
         self._log = open(log, "w") if log else None  # noqa: SIM115 (closed in stop)
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -71,7 +72,7 @@ class ServerProcess:
 
     def wait_exit(self, timeout: float = 60) -> int:
         code = self.proc.wait(timeout)
-        time.sleep(0.05)  # let the reader thread take the last lines
+        self._reader.join(5)  # the reader has taken the last lines
         return code
 
     def stop(self) -> int:
@@ -82,6 +83,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        self._reader.join(5)
+        self.proc.stdout.close()
         if self._log:
             self._log.close()
         return self.proc.returncode

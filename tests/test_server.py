@@ -229,7 +229,9 @@ def test_another_model_is_404_and_absent_model_is_fine(server):
     r = httpx.post(server.url + CHAT, json=chat_body(model="gpt-4o", max_tokens=2))
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "model_not_found"
-    assert httpx.post(server.url + CHAT, json=chat_body(max_tokens=2), timeout=60).status_code == 200
+    assert (
+        httpx.post(server.url + CHAT, json=chat_body(max_tokens=2), timeout=60).status_code == 200
+    )
 
 
 def test_prompt_longer_than_the_context_is_400(server):
@@ -264,8 +266,14 @@ async def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(server):
 
 async def test_concurrent_streams_all_progress(server):
     """A late request's first token does not wait for the running ones to finish."""
-    long = chat_body("Tell a long story.", max_tokens=120, temperature=1.0, seed=3,
-                     presence_penalty=1.5, stream=True)
+    long = chat_body(
+        "Tell a long story.",
+        max_tokens=120,
+        temperature=1.0,
+        seed=3,
+        presence_penalty=1.5,
+        stream=True,
+    )
     events = []
 
     async def stream(name, body):

@@ -16,6 +16,12 @@ import sentencepiece as spm
 import tinytok
 from mashbox.text.tokenizer import Detokenizer, Tokenizer
 
+try:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+except ImportError:  # hypothesis is optional
+    given = None
+
 SPECIAL_TEXTS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
     "<|im_start|>system\nYou are helpful.<|im_end|>",
@@ -62,9 +68,7 @@ def sp(spm_model) -> spm.SentencePieceProcessor:
 
 @pytest.fixture(scope="module")
 def spm_gguf(workdir, spm_model) -> Path:
-    return write_gguf(
-        workdir / "spm.gguf", lambda w: tinytok.add_spm_tokenizer(w, spm_model)
-    )
+    return write_gguf(workdir / "spm.gguf", lambda w: tinytok.add_spm_tokenizer(w, spm_model))
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +224,15 @@ def test_detokenizer_flushes_incomplete_bytes(bpe_tok):
     detok = Detokenizer(bpe_tok)
     assert detok.feed(first_byte) == ""
     assert detok.flush() == "\ufffd"
+
+
+if given is not None:
+
+    @settings(max_examples=200, deadline=None, database=None)
+    @given(ids=st.lists(st.integers(-1, 410), max_size=40))
+    def test_detokenizer_equals_decode_for_any_ids(bpe_tok, spm_tok, ids):
+        for tok in (bpe_tok, spm_tok):
+            assert "".join(stream(tok, ids)) == tok.decode(ids)
 
 
 def test_unknown_pre_tokenizer_falls_back_to_gpt2(workdir, bpe, caplog):

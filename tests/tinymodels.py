@@ -136,10 +136,10 @@ def build_tiny_qwen2(workdir: Path, *, seed: int = 1) -> Path:
 
 def write_hf_folder(folder: Path, weights: dict[str, np.ndarray], tok, *, n_heads=4, n_kv=2):
     """Write weights as an HF Llama checkpoint folder (safetensors + config + tokenizer)."""
-    import tinytok
     import torch
     from safetensors.torch import save_file
 
+    import tinytok
     from mashbox.engine.weights import _HF_GLOBAL_NAMES, _HF_LAYER_NAMES
 
     folder.mkdir(parents=True, exist_ok=True)

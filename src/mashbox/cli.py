@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
         "--models-dir",
         type=Path,
         default=None,
-        help="cache for downloaded weights (default $MASHBOX_MODELS_DIR or ~/.cache/mashbox/models)",
+        help="weights cache (default $MASHBOX_MODELS_DIR or ~/.cache/mashbox/models)",
     )
     run.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     run.add_argument(

@@ -80,7 +80,8 @@ class EngineInfo:
     dtype: str
     n_layers: int
     vocab_size: int
-    max_context: int
+    max_context: int  # what the model was trained for
+    ctx: int  # tokens per slot this engine runs
 
 
 @attrs.frozen

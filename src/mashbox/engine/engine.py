@@ -29,12 +29,17 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
 
+DEFAULT_MAX_CTX = 8192
+
+
 class Engine:
     """Owns every tensor; knows nothing of requests, text or time limits."""
 
-    def __init__(self, path: Path, *, slots: int, ctx: int, device: str = "cpu", dtype=None):
+    def __init__(self, path: Path, *, slots: int, ctx: int = 0, device: str = "cpu", dtype=None):
         loaded = weights_mod.load(Path(path))
         self.cfg = loaded.config
+        # ctx 0: the model's trained context, capped so the default KV cache stays modest.
+        ctx = ctx or min(self.cfg.max_context, DEFAULT_MAX_CTX)
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(device)
         self.model = Model(self.cfg, loaded.tensors, self.device, self.dtype, n_positions=ctx)
@@ -51,6 +56,7 @@ class Engine:
             n_layers=self.cfg.n_layers,
             vocab_size=self.cfg.vocab_size,
             max_context=self.cfg.max_context,
+            ctx=ctx,
         )
 
     @torch.inference_mode()

@@ -55,7 +55,7 @@ class Model:
         self.dtype = dtype
 
         def t(name: str) -> Tensor:
-            return torch.from_numpy(tensors[name]).to(device=self.device, dtype=dtype)
+            return tensors[name].to(device=self.device, dtype=dtype)
 
         def maybe(name: str) -> Tensor | None:
             return t(name) if name in tensors else None
@@ -74,7 +74,9 @@ class Model:
                         [t(p + "attn_q.weight"), t(p + "attn_k.weight"), t(p + "attn_v.weight")]
                     ),
                     "bqkv": (
-                        torch.cat([t(p + "attn_q.bias"), t(p + "attn_k.bias"), t(p + "attn_v.bias")])
+                        torch.cat(
+                            [t(p + "attn_q.bias"), t(p + "attn_k.bias"), t(p + "attn_v.bias")]
+                        )
                         if cfg.qkv_bias
                         else None
                     ),

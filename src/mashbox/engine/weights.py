@@ -1,4 +1,4 @@
-"""Read a model's weights into float32 numpy arrays under GGUF tensor names.
+"""Read a model's weights into float32 tensors under GGUF tensor names.
 
 GGUF files are dequantized with `gguf`; HF folders are read with `safetensors` and renamed.
 Every loader returns the same layout: Q/K rows in Hugging Face order, so the model applies
@@ -12,10 +12,11 @@ import re
 from pathlib import Path
 
 import attrs
-import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, quants
+import torch
+from gguf import GGUFReader
 
 from .config import ModelConfig, from_gguf_fields, from_hf_config
+from .dequant import dequantize
 
 
 @attrs.frozen
@@ -23,7 +24,7 @@ class LoadedWeights:
     """A model's config, its tensors by GGUF name, and what the file holds."""
 
     config: ModelConfig
-    tensors: dict[str, np.ndarray]
+    tensors: dict[str, torch.Tensor]
     file_bytes: int
     n_params: int
 
@@ -51,16 +52,18 @@ def gguf_fields(reader: GGUFReader) -> dict:
     return out
 
 
-def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rope_rows(w, n_heads: int):
     """Undo llama.cpp's Q/K row permutation (interleaved RoPE) back to HF's rotate-half order."""
     rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    w = w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2)
+    return w.reshape(rows, *w.shape[3:])
 
 
-def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+def permute_rope_rows(w, n_heads: int):
     """Apply llama.cpp's Q/K row permutation (what its converter writes into GGUF files)."""
     rows = w.shape[0]
-    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    w = w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2)
+    return w.reshape(rows, *w.shape[3:])
 
 
 def load_gguf(path: Path) -> LoadedWeights:
@@ -70,14 +73,9 @@ def load_gguf(path: Path) -> LoadedWeights:
     tensors = {}
     n_params = 0
     for t in reader.tensors:
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            array = np.asarray(t.data, dtype=np.float32)
-        else:
-            array = quants.dequantize(t.data, t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        # A copy: F32 tensors are read-only views of the memory-mapped file.
-        tensors[t.name] = np.array(array.reshape(shape), dtype=np.float32)
-        n_params += int(np.prod(shape))
+        tensors[t.name] = dequantize(t.data, t.tensor_type, shape)
+        n_params += tensors[t.name].numel()
     vocab_size = tensors["token_embd.weight"].shape[0]
     config = from_gguf_fields(
         fields,
@@ -142,7 +140,7 @@ def load_hf_folder(path: Path) -> LoadedWeights:
         for name, array in load_file(f).items():
             target = hf_to_gguf_name(name)
             if target is not None:
-                tensors[target] = array.float().numpy()
+                tensors[target] = array.float()
                 n_params += array.numel()
     tied = "output.weight" not in tensors
     return LoadedWeights(attrs.evolve(config, tied_embeddings=tied), tensors, file_bytes, n_params)

@@ -33,5 +33,8 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 def not_ready(retry_after: int = 5) -> ApiError:
     return ApiError(
-        503, "the model is still loading", type="unavailable", headers={"Retry-After": str(retry_after)}
+        503,
+        "the model is still loading",
+        type="unavailable",
+        headers={"Retry-After": str(retry_after)},
     )

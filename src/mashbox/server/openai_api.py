@@ -26,7 +26,9 @@ def submit(state: ServerState, request: Request):
     except NotReady:
         raise not_ready() from None
     except QueueFull as exc:
-        raise ApiError(429, str(exc), type="rate_limit_error", headers={"Retry-After": "1"}) from None
+        raise ApiError(
+            429, str(exc), type="rate_limit_error", headers={"Retry-After": "1"}
+        ) from None
 
 
 def message_text(content, where: str) -> str:
@@ -63,7 +65,9 @@ def chat_messages(body: Body) -> list[dict]:
             raise bad_request(f"{where} must be an object", "messages")
         role = m.get("role")
         if role not in _ROLES:
-            raise bad_request(f"{where}.role must be one of {', '.join(sorted(_ROLES))}", "messages")
+            raise bad_request(
+                f"{where}.role must be one of {', '.join(sorted(_ROLES))}", "messages"
+            )
         text = message_text(m.get("content"), where)
         if role in ("system", "developer"):
             system.append(text)
@@ -274,7 +278,14 @@ async def completions(state: ServerState, data, tenant: str = ""):
             async with events:
                 async for event in events:
                     if isinstance(event, TextDelta):
-                        yield _sse({**base, "choices": [{"index": 0, "text": event.text, "finish_reason": None}]})
+                        yield _sse(
+                            {
+                                **base,
+                                "choices": [
+                                    {"index": 0, "text": event.text, "finish_reason": None}
+                                ],
+                            }
+                        )
                     elif isinstance(event, Finished):
                         timings = attrs.asdict(event.timings)
                         choice = {"index": 0, "text": "", "finish_reason": event.reason}

@@ -48,7 +48,11 @@ class Body:
         value = self.raw(name, default)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
             raise bad_request(f"{name} must be a number", name)
         if lo_open and value <= lo:
             raise bad_request(f"{name} must be greater than {lo}", name)

