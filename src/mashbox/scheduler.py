@@ -86,6 +86,7 @@ class Request:
     max_tokens: int
     stop: tuple[str, ...] = ()
     tenant: str = ""
+    ignore_eos: bool = False  # benchmarks: run to max_tokens whatever the model says
 
 
 @attrs.define(eq=False)
@@ -341,7 +342,7 @@ class Scheduler:
             seq.t_first = now
         seq.t_last = now
         seq.output_ids.append(token)
-        if token in self.tokenizer.eog_ids:
+        if token in self.tokenizer.eog_ids and not seq.request.ignore_eos:
             return self._finish(seq, "stop")
         text, stopped = seq.stops.feed(seq.detok.feed(token))
         if text:

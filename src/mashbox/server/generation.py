@@ -81,4 +81,5 @@ def build_request(body: Body, state: ServerState, prompt_ids: list[int], tenant:
         max_tokens=max_new_tokens(body, len(prompt_ids), state.ctx),
         stop=stop_strings(body),
         tenant=tenant,
+        ignore_eos=body.bool("ignore_eos", False),
     )

@@ -1,0 +1,131 @@
+"""Decode tokens/s of a model through the HTTP API at 1 and N concurrent streams.
+
+Starts `mashbox run` (the default model unless --model or --url is given), sends greedy
+streaming chat requests with ignore_eos so each stream decodes exactly --tokens tokens, and
+prints per-stream and total decode speed next to the machine's decode limit: memory
+bandwidth (measured here with a large tensor copy) over the bytes each step must read.
+
+    python bench/decode_http.py                      # default model, 1 and 4 streams
+    python bench/decode_http.py --streams 1 4 8 --tokens 128
+    python bench/decode_http.py --url http://127.0.0.1:8000   # an already running server
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+
+
+async def one_stream(url: str, tokens: int, seed: int) -> dict:
+    body = {
+        "messages": [{"role": "user", "content": f"{PROMPT} ({seed})"}],
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    first = last = None
+    usage = timings = None
+    async with httpx.AsyncClient(timeout=600) as http:
+        async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                now = time.perf_counter()
+                if event["choices"] and event["choices"][0]["delta"].get("content"):
+                    first = first or now
+                    last = now
+                if event.get("usage"):
+                    usage, timings = event["usage"], event["timings"]
+    return {"first": first, "last": last, "usage": usage, "timings": timings}
+
+
+async def run_streams(url: str, n: int, tokens: int) -> dict:
+    results = []
+
+    async def worker(i):
+        results.append(await one_stream(url, tokens, i))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(worker, i)
+    per_stream = [r["timings"]["predicted_per_second"] for r in results]
+    wall = max(r["last"] for r in results) - min(r["first"] for r in results)
+    generated = sum(r["usage"]["completion_tokens"] - 1 for r in results)
+    return {
+        "per_stream": sum(per_stream) / n,  # server timings: first to last token of each
+        "total_wall": generated / wall,  # client clock: every token after each first one
+    }
+
+
+def memory_bandwidth_gbs() -> float:
+    """Copy bandwidth of this machine (read + write) in GB/s, best of a few runs."""
+    import torch
+
+    a = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.float32).fill_(1.0)
+    b = torch.empty_like(a)
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        dt = time.perf_counter() - t0
+        best = max(best, 2 * a.numel() * 4 / dt / 1e9)
+    return best
+
+
+async def main_async(args, url: str) -> None:
+    card = httpx.get(url + "/v1/models").json()["data"][0]
+    print(f"model {card['id']}  weights {card['weights']}  bpw {card['bpw']}  gb {card['gb']}")
+    bw = memory_bandwidth_gbs()
+    step_bytes = card["gb"] * 1e9  # every decode step reads every weight once
+    limit = bw * 1e9 / step_bytes
+    print(f"memory bandwidth {bw:.1f} GB/s; weights read per step {step_bytes / 1e6:.0f} MB")
+    print(f"decode limit: {limit:.1f} steps/s (one token per stream per step)")
+    await run_streams(url, 1, 8)  # warm-up
+    print(f"{'streams':>7} {'tok/s/stream':>13} {'total tok/s':>12} {'vs 1 stream':>12} "
+          f"{'steps/s of limit':>17}")
+    base = None
+    for n in args.streams:
+        r = await run_streams(url, n, args.tokens)
+        base = base or r["total_wall"]
+        print(
+            f"{n:>7} {r['per_stream']:>13.1f} {r['total_wall']:>12.1f} "
+            f"{r['total_wall'] / base:>11.2f}x {r['per_stream'] / limit:>16.0%}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="an already running server")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--slots", type=int, default=4)
+    args = parser.parse_args()
+    if args.url:
+        trio.run(main_async, args, args.url)
+        return
+    from serverproc import ServerProcess
+
+    slots = max(args.slots, *args.streams)
+    proc = ServerProcess(args.model, "--slots", str(slots), "--ctx", "1024")
+    try:
+        url = proc.wait_ready(900)
+        trio.run(main_async, args, url)
+    finally:
+        proc.stop()
+
+
+if __name__ == "__main__":
+    main()
