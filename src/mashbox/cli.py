@@ -50,6 +50,18 @@ def _parser() -> argparse.ArgumentParser:
         default=float(os.environ.get("MASHBOX_STALL_TIMEOUT", 30)),
         help="seconds a streaming client may read nothing before it is dropped (default 30)",
     )
+    run.add_argument(
+        "--step-timeout",
+        type=float,
+        default=120.0,
+        help="seconds one engine step may take before the engine counts as hung (default 120)",
+    )
+    run.add_argument(
+        "--keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open (default 5)",
+    )
     return parser
 
 
@@ -74,6 +86,8 @@ def main(argv=None) -> int:
             threads=args.threads,
             prefill_chunk=args.prefill_chunk,
             stall_timeout=args.stall_timeout,
+            step_timeout=args.step_timeout,
+            keep_alive=args.keep_alive,
         )
         return run(args.model, opts)
     return 2

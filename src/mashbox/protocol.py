@@ -55,6 +55,7 @@ class Decode:
 class Step:
     """One engine step: admissions, then prefill chunks, then one batched decode."""
 
+    index: int = 0  # the scheduler's step number (counts across worker restarts)
     admits: tuple[Admit, ...] = ()
     prefills: tuple[Prefill, ...] = ()
     decodes: tuple[Decode, ...] = ()

@@ -5,6 +5,7 @@ each request's bounded channel. It never imports torch.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import secrets
 import time
@@ -15,6 +16,9 @@ import trio
 from .protocol import Admit, Decode, Prefill, SamplingParams, Step
 from .text.stops import StopMatcher
 from .text.tokenizer import Detokenizer, Tokenizer
+from .worker_client import WorkerError
+
+log = logging.getLogger("mashbox")
 
 MAX_WAITING_PER_TENANT = 32
 MAX_WAITING = 256
@@ -72,9 +76,15 @@ class Finished:
 
 @attrs.frozen
 class Failed:
-    """The answer could not be produced."""
+    """The answer could not be produced: 500 (device fault) or 503 (shutting down)."""
 
     message: str
+    status: int = 500
+
+
+@attrs.frozen
+class Restarted:
+    """The engine failed before anything reached the client: the answer starts again."""
 
 
 @attrs.frozen
@@ -87,6 +97,7 @@ class Request:
     stop: tuple[str, ...] = ()
     tenant: str = ""
     ignore_eos: bool = False  # benchmarks: run to max_tokens whatever the model says
+    stream: bool = False  # a stream that has sent text is never run again after a fault
 
 
 @attrs.define(eq=False)
@@ -107,6 +118,8 @@ class Sequence:
     blocked_since: float | None = None
     cancelled: bool = False
     done: bool = False
+    emitted: bool = False  # text has gone to the handler
+    retried: bool = False  # the one run-again after an engine fault is spent
     t_start: float | None = None
     t_first: float | None = None
     t_last: float | None = None
@@ -162,15 +175,18 @@ class Scheduler:
         self.slots = [Slot(i) for i in range(slots)]
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.draining: list[Sequence] = []  # finished, events not yet taken by the handler
-        self.worker = None
+        self.worker = None  # a Supervisor once the engine is up
         self._wakeup = trio.Event()
         self._uses = 0
+        self._steps = 0
+        self._closing = False
+        self._step_scope: trio.CancelScope | None = None
 
     # --- called by request handlers -------------------------------------------------------
 
     @property
     def ready(self) -> bool:
-        return self.worker is not None
+        return self.worker is not None and self.worker.ready and not self._closing
 
     def stats(self) -> Stats:
         running = sum(1 for s in self.slots if s.seq is not None)
@@ -209,9 +225,9 @@ class Scheduler:
     # --- the loop -------------------------------------------------------------------------
 
     async def run(self, worker) -> None:
-        """Step the engine forever; `worker` has `await step(Step) -> StepResult`."""
+        """Step the engine until `close`; `worker` is a started Supervisor."""
         self.worker = worker
-        while True:
+        while not self._closing:
             self._deliver()
             self._reap()
             self._admit()
@@ -219,8 +235,63 @@ class Scheduler:
             if step is None:
                 await self._idle()
                 continue
-            result = await worker.step(step)
+            with trio.CancelScope() as self._step_scope:
+                try:
+                    result = await worker.step(step)
+                except WorkerError as exc:
+                    log.error("engine fault: %s", str(exc).strip().splitlines()[-1])
+                    self._on_fault()
+                    await worker.restart()
+                    continue
+            if self._step_scope.cancelled_caught:
+                break
             self._apply(step, result.tokens)
+        self._fail_everyone(Failed("the server is shutting down", status=503))
+
+    def close(self) -> None:
+        """Stop stepping; every request still running or waiting ends with a 503 error."""
+        self._closing = True
+        self._wakeup.set()
+        if self._step_scope is not None:
+            self._step_scope.cancel()
+
+    def _fail_everyone(self, failure: Failed) -> None:
+        for seq in [*(s.seq for s in self.slots if s.seq), *self.waiting]:
+            self._fail(seq, failure)
+        self.waiting.clear()
+        self._deliver()
+
+    def _fail(self, seq: Sequence, failure: Failed) -> None:
+        self._release(seq)
+        seq.outbox.append(failure)
+        seq.done = True
+        self.draining.append(seq)
+
+    def _on_fault(self) -> None:
+        """The engine lost every slot: run each request again once, unless its client has
+        text already (streams) or it already had its second run."""
+        again = []
+        for slot in self.slots:
+            slot.tokens.clear()  # a new engine process starts with empty caches
+            seq = slot.seq
+            if seq is None:
+                continue
+            self._release(seq)
+            if seq.retried or (seq.request.stream and seq.emitted):
+                self._fail(seq, Failed("the request failed on the device"))
+                continue
+            seq.retried, seq.admitted, seq.prefilled, seq.cached = True, False, 0, 0
+            seq.output_ids.clear()
+            seq.outbox.clear()
+            seq.detok = Detokenizer(self.tokenizer)
+            seq.stops = StopMatcher(list(seq.request.stop))
+            seq.t_first = seq.t_last = None
+            if seq.emitted:  # non-streamed: the handler drops what it has collected
+                seq.outbox.append(Restarted())
+                seq.emitted = False
+            again.append(seq)
+        again.sort(key=lambda s: s.t_submit)
+        self.waiting.extendleft(reversed(again))
 
     async def _idle(self) -> None:
         blocked = any(s.outbox for s in self._live())
@@ -248,8 +319,8 @@ class Scheduler:
                     seq.cancelled = True
                     break
                 seq.outbox.popleft()
+                seq.blocked_since = None  # a reader that takes anything is not stalled
             else:
-                seq.blocked_since = None
                 if seq.done:
                     seq.channel.close()
                     self.draining.remove(seq)
@@ -259,6 +330,8 @@ class Scheduler:
         now = time.perf_counter()
         for seq in list(self._live()):
             stalled = seq.blocked_since is not None and now - seq.blocked_since > self.stall_timeout
+            if stalled and not seq.cancelled:
+                log.info("dropped a stream whose client read nothing for %g s", self.stall_timeout)
             if seq.cancelled or stalled:
                 self._drop(seq)
         if any(s.cancelled for s in self.waiting):
@@ -318,7 +391,8 @@ class Scheduler:
                 prefills.append(Prefill(slot.index, seq.prefilled, chunk, last))
         if not (admits or prefills or decodes):
             return None
-        return Step(tuple(admits), tuple(prefills), tuple(decodes))
+        self._steps += 1
+        return Step(self._steps, tuple(admits), tuple(prefills), tuple(decodes))
 
     def _apply(self, step: Step, tokens: dict[int, int]) -> None:
         now = time.perf_counter()
@@ -347,6 +421,7 @@ class Scheduler:
         text, stopped = seq.stops.feed(seq.detok.feed(token))
         if text:
             seq.outbox.append(TextDelta(text))
+            seq.emitted = True
         if stopped:
             return self._finish(seq, "stop", flush=False)
         n_prompt, n_out = len(seq.request.prompt_ids), len(seq.output_ids)
@@ -359,6 +434,7 @@ class Scheduler:
             text += seq.stops.flush()
             if text:
                 seq.outbox.append(TextDelta(text))
+                seq.emitted = True
         seq.outbox.append(Finished(reason, self._usage(seq), self._timings(seq)))
         seq.done = True
         self._release(seq)

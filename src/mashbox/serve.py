@@ -21,7 +21,7 @@ from .server.app import ShieldFinalSend, create_app
 from .server.state import ServerState
 from .text.chat_template import ChatTemplate
 from .text.tokenizer import Tokenizer
-from .worker_client import WorkerError, WorkerProcess
+from .worker_client import Supervisor, WorkerError, WorkerProcess
 
 log = logging.getLogger("mashbox")
 
@@ -41,6 +41,8 @@ class ServeOptions:
     threads: int = 0
     prefill_chunk: int = 256
     stall_timeout: float = 30.0
+    step_timeout: float = 120.0
+    keep_alive: float = 5.0
 
 
 def bind(host: str, port: int, stall_timeout: float) -> socket.socket:
@@ -68,10 +70,6 @@ def load_text(path: Path) -> tuple[Tokenizer, ChatTemplate]:
     return tok, ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
 
 
-async def _append_result(out: list, fn, *args) -> None:
-    out.append(await fn(*args))
-
-
 class _Progress:
     """Log download/verify progress at most twice a second."""
 
@@ -95,78 +93,93 @@ async def serve(ref: registry.ModelRef, sock: socket.socket, opts: ServeOptions)
     config.bind = [f"fd://{sock.fileno()}"]
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
-    config.keep_alive_timeout = 75
+    config.keep_alive_timeout = opts.keep_alive
+    config.graceful_timeout = 3
     app = ShieldFinalSend(create_app(state))
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-    shutdown = trio.Event()
-    worker = None
+    stop_accepting = trio.Event()
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_wait_for_signal, shutdown, nursery.cancel_scope)
+            nursery.start_soon(_shut_down_on_signal, state, stop_accepting, nursery.cancel_scope)
             await nursery.start(
-                partial(hypercorn_serve, app, config, shutdown_trigger=shutdown.wait)
+                partial(hypercorn_serve, app, config, shutdown_trigger=stop_accepting.wait)
             )
             log.info("listening on %s (loading %s)", url, ref.id)
-            t0 = time.monotonic()
-            models_dir = opts.models_dir or registry.default_models_dir()
-            try:
-                path = await trio.to_thread.run_sync(
-                    partial(registry.fetch, ref, models_dir, progress=_Progress())
-                )
-            except registry.ModelError as exc:
-                raise FatalError(str(exc)) from None
-            worker = WorkerProcess(
-                path, slots=opts.slots, ctx=opts.ctx or 0, device=opts.device, threads=opts.threads
-            )
-            # Parse the vocabulary here while the engine process loads the weights.
-            async with trio.open_nursery() as loading:
-                text = []
-                loading.start_soon(_append_result, text, trio.to_thread.run_sync, load_text, path)
-                try:
-                    state.info = await worker.start()
-                except WorkerError as exc:
-                    raise FatalError(str(exc)) from None
-            ((tokenizer, template),) = text
-            ctx = state.info.ctx
-            state.ctx = ctx
-            state.weights_name = path.name
-            state.worker_pid = worker.pid
-            state.tokenizer, state.template = tokenizer, template
-            scheduler = Scheduler(
-                tokenizer,
-                slots=opts.slots,
-                ctx=ctx,
-                prefill_chunk=opts.prefill_chunk,
-                stall_timeout=opts.stall_timeout,
-            )
-            state.scheduler = scheduler
-            nursery.start_soon(scheduler.run, worker)
-            info = state.info
-            log.info(
-                "ready in %.1f s: %s (%s, %.0fM params, %s on %s), %d slots x %d tokens",
-                time.monotonic() - t0,
-                ref.id,
-                info.arch,
-                info.n_params / 1e6,
-                info.dtype,
-                info.device,
-                opts.slots,
-                ctx,
-            )
+            await _load(state, ref, opts, nursery)
             log.info("point clients at %s/v1 (OpenAI) or %s (Anthropic)", url, url)
     finally:
-        if worker is not None:
-            worker.kill()
+        if state.supervisor is not None:
+            state.supervisor.stop()
 
 
-async def _wait_for_signal(shutdown: trio.Event, scope: trio.CancelScope) -> None:
+async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nursery) -> None:
+    """Fetch the weights, start the engine process and the scheduler."""
+    t0 = time.monotonic()
+    models_dir = opts.models_dir or registry.default_models_dir()
+    try:
+        path = await trio.to_thread.run_sync(
+            partial(registry.fetch, ref, models_dir, progress=_Progress())
+        )
+    except registry.ModelError as exc:
+        raise FatalError(str(exc)) from None
+
+    def start_worker():
+        return WorkerProcess(
+            path, slots=opts.slots, ctx=opts.ctx or 0, device=opts.device, threads=opts.threads
+        )
+
+    supervisor = Supervisor(start_worker, step_timeout=opts.step_timeout)
+    state.supervisor = supervisor
+    # Parse the vocabulary here while the engine process loads the weights.
+    async with trio.open_nursery() as loading:
+        text = []
+        loading.start_soon(_append_result, text, trio.to_thread.run_sync, load_text, path)
+        try:
+            info = await supervisor.start()
+        except WorkerError as exc:
+            raise FatalError(str(exc)) from None
+    ((tokenizer, template),) = text
+    state.ctx = info.ctx
+    state.weights_name = path.name
+    state.tokenizer, state.template = tokenizer, template
+    state.scheduler = Scheduler(
+        tokenizer,
+        slots=opts.slots,
+        ctx=info.ctx,
+        prefill_chunk=opts.prefill_chunk,
+        stall_timeout=opts.stall_timeout,
+    )
+    nursery.start_soon(state.scheduler.run, supervisor)
+    log.info(
+        "ready in %.1f s: %s (%s, %.0fM params, %s on %s), %d slots x %d tokens",
+        time.monotonic() - t0,
+        ref.id,
+        info.arch,
+        info.n_params / 1e6,
+        info.dtype,
+        info.device,
+        opts.slots,
+        info.ctx,
+    )
+
+
+async def _append_result(out: list, fn, *args) -> None:
+    out.append(await fn(*args))
+
+
+async def _shut_down_on_signal(
+    state: ServerState, stop_accepting: trio.Event, scope: trio.CancelScope
+) -> None:
+    """SIGINT/SIGTERM: end every request with an error event, stop accepting, then exit."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             log.info("%s: shutting down", signal.Signals(signum).name)
-            shutdown.set()
-            # Give hypercorn a moment to stop accepting, then end every task.
-            await trio.sleep(0.2)
+            if state.scheduler is not None:
+                state.scheduler.close()
+            stop_accepting.set()
+            # Handlers now write their error events; give them a moment, then end every task.
+            await trio.sleep(0.5)
             scope.cancel()
             return
 

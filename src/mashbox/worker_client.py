@@ -1,9 +1,9 @@
-"""The server's side of the engine worker process: start it, step it, stop it."""
+"""The server's side of the engine worker process: start it, step it, restart it."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
-import os
 
 import trio
 
@@ -64,8 +64,8 @@ class WorkerProcess:
             raise WorkerError(msg.message)
         return msg
 
-    def kill(self) -> None:
-        """Stop the process now (used on shutdown and after a fault)."""
+    def stop(self, *, grace: float = 2.0) -> None:
+        """Ask the process to exit, then kill it if it has not within `grace` seconds."""
         if self._conn is not None:
             try:
                 self._conn.send(Shutdown())
@@ -73,8 +73,66 @@ class WorkerProcess:
                 pass
             self._conn.close()
             self._conn = None
-        if self._process is not None and self._process.is_alive():
-            self._process.join(timeout=2)
+        if self._process is not None:
+            if grace > 0:
+                self._process.join(timeout=grace)
             if self._process.is_alive():
-                os.kill(self._process.pid, 9)
-                self._process.join(timeout=2)
+                self._process.kill()  # a hung or busy step never reads Shutdown
+            self._process.join(timeout=5)
+
+
+log = logging.getLogger("mashbox")
+
+
+class Supervisor:
+    """Keeps one engine process running: a fault or a step past its deadline gets a fresh one.
+
+    The scheduler is its only caller: `step` raises WorkerError, then the scheduler decides
+    what happens to each request and calls `restart`.
+    """
+
+    def __init__(self, start_worker, *, step_timeout: float = 120.0):
+        self._start_worker = start_worker  # () -> WorkerProcess (not started)
+        self.step_timeout = step_timeout
+        self.worker: WorkerProcess | None = None
+        self.info: EngineInfo | None = None
+        self.ready = False
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.worker.pid if self.worker else None
+
+    async def start(self) -> EngineInfo:
+        self.worker = self._start_worker()
+        self.info = await self.worker.start()
+        self.ready = True
+        return self.info
+
+    async def step(self, step: Step) -> StepResult:
+        """One step under the watchdog deadline: a hung engine is a fault, not a wait."""
+        with trio.move_on_after(self.step_timeout):
+            return await self.worker.step(step)
+        raise WorkerError(f"step {step.index} took longer than {self.step_timeout:g} s")
+
+    async def restart(self) -> None:
+        """Replace the worker; keep trying (health says loading meanwhile)."""
+        self.ready = False
+        self.restarts += 1
+        if self.worker is not None:
+            await trio.to_thread.run_sync(lambda: self.worker.stop(grace=0))
+        delay = 0.5
+        while True:
+            try:
+                await self.start()
+                log.info("engine process restarted (pid %s)", self.pid)
+                return
+            except WorkerError as exc:
+                log.error("engine restart failed: %s; retrying in %.1f s", exc, delay)
+                await trio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+
+    def stop(self) -> None:
+        self.ready = False
+        if self.worker is not None:
+            self.worker.stop()

@@ -17,8 +17,10 @@ def worker_main(conn, path: str, slots: int, ctx: int, device: str, threads: int
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     from .engine import Engine
+    from .faults import Faults
 
     try:
+        faults = Faults()
         engine = Engine(path, slots=slots, ctx=ctx, device=device)
     except Exception as exc:
         conn.send(WorkerFailed(f"cannot load {path}: {exc}"))
@@ -33,6 +35,7 @@ def worker_main(conn, path: str, slots: int, ctx: int, device: str, threads: int
             return
         assert isinstance(msg, Step), type(msg)
         try:
+            faults.before_step(msg.index)
             conn.send(engine.step(msg))
         except Exception:
             conn.send(WorkerFailed(traceback.format_exc(limit=8)))

@@ -43,8 +43,8 @@ def health_body(state: ServerState) -> dict:
         "certification": "not_certified",
         "compiles_after_ready": 0 if state.ready else None,
         "routed_experts": None,
-        "worker_pid": state.worker_pid,
-        "worker_restarts": state.worker_restarts,
+        "worker_pid": state.supervisor.pid if state.supervisor else None,
+        "worker_restarts": state.supervisor.restarts if state.supervisor else 0,
     }
 
 

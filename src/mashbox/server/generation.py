@@ -82,4 +82,5 @@ def build_request(body: Body, state: ServerState, prompt_ids: list[int], tenant:
         stop=stop_strings(body),
         tenant=tenant,
         ignore_eos=body.bool("ignore_eos", False),
+        stream=body.bool("stream", False),
     )

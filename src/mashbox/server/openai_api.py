@@ -9,7 +9,7 @@ import time
 import attrs
 from quart import Response
 
-from ..scheduler import Failed, Finished, NotReady, QueueFull, Request, TextDelta
+from ..scheduler import Failed, Finished, NotReady, QueueFull, Request, Restarted, TextDelta
 from ..text.chat_template import ChatTemplateError
 from .errors import ApiError, bad_request, not_ready
 from .generation import build_request, check_model
@@ -123,6 +123,12 @@ def _usage_dict(usage) -> dict:
     }
 
 
+def _failure(event: Failed) -> ApiError:
+    if event.status == 503:
+        return ApiError(503, event.message, type="unavailable", headers={"Retry-After": "5"})
+    return ApiError(event.status, event.message, type="server_error")
+
+
 async def _collect(state, seq, events) -> tuple[str, Finished]:
     """Gather a whole answer (non-streamed requests)."""
     parts = []
@@ -131,10 +137,12 @@ async def _collect(state, seq, events) -> tuple[str, Finished]:
             async for event in events:
                 if isinstance(event, TextDelta):
                     parts.append(event.text)
+                elif isinstance(event, Restarted):
+                    parts.clear()
                 elif isinstance(event, Finished):
                     return "".join(parts), event
                 elif isinstance(event, Failed):
-                    raise ApiError(500, event.message, type="server_error")
+                    raise _failure(event)
     finally:
         state.scheduler.cancel(seq)
     raise ApiError(500, "the request was dropped before it finished", type="server_error")
@@ -214,8 +222,9 @@ async def chat_completions(state: ServerState, data, tenant: str = ""):
                         yield _sse("[DONE]")
                         return
                     elif isinstance(event, Failed):
-                        break
-            yield _stream_error(rid, "the request failed before it finished")
+                        yield _stream_error(rid, event.message)
+                        return
+            yield _stream_error(rid, "the request was dropped before it finished")
         finally:
             state.scheduler.cancel(seq)
 
@@ -295,8 +304,9 @@ async def completions(state: ServerState, data, tenant: str = ""):
                         yield _sse("[DONE]")
                         return
                     elif isinstance(event, Failed):
-                        break
-            yield _stream_error(rid, "the request failed before it finished")
+                        yield _stream_error(rid, event.message)
+                        return
+            yield _stream_error(rid, "the request was dropped before it finished")
         finally:
             state.scheduler.cancel(seq)
 

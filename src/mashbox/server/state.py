@@ -8,6 +8,7 @@ from ..protocol import EngineInfo
 from ..scheduler import Scheduler
 from ..text.chat_template import ChatTemplate
 from ..text.tokenizer import Tokenizer
+from ..worker_client import Supervisor
 
 
 @attrs.define(eq=False)
@@ -21,9 +22,11 @@ class ServerState:
     tokenizer: Tokenizer | None = None
     template: ChatTemplate | None = None
     scheduler: Scheduler | None = None
-    info: EngineInfo | None = None
-    worker_pid: int | None = None
-    worker_restarts: int = 0
+    supervisor: Supervisor | None = None
+
+    @property
+    def info(self) -> EngineInfo | None:
+        return self.supervisor.info if self.supervisor else None
 
     @property
     def ready(self) -> bool:

@@ -1,0 +1,53 @@
+"""Fault injection for tests: `MASHBOX_FAULTS` makes the engine process misbehave on purpose.
+
+The value is a comma-separated list of ACTION@STEP, STEP being the scheduler's global step
+number (it keeps counting across worker restarts, so each fault fires once):
+  crash@K   the process exits at once (as a segfault or OOM kill would)
+  raise@K   the step raises an exception
+  hang@K    the step never returns (the scheduler's step deadline must catch it)
+  slow=S    every step sleeps S seconds first (makes prefill/decode windows wide for tests)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+ENV = "MASHBOX_FAULTS"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by raise@K."""
+
+
+def parse(spec: str) -> tuple[dict[int, str], float]:
+    """Return ({step: action}, slow seconds) from a MASHBOX_FAULTS value."""
+    at: dict[int, str] = {}
+    slow = 0.0
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        if item.startswith("slow="):
+            slow = float(item.removeprefix("slow="))
+            continue
+        action, _, step = item.partition("@")
+        if action not in ("crash", "raise", "hang") or not step.isdigit():
+            raise ValueError(f"bad {ENV} entry {item!r}")
+        at[int(step)] = action
+    return at, slow
+
+
+class Faults:
+    """The faults this process was started with."""
+
+    def __init__(self, spec: str | None = None):
+        self.at, self.slow = parse(os.environ.get(ENV, "") if spec is None else spec)
+
+    def before_step(self, index: int) -> None:
+        if self.slow:
+            time.sleep(self.slow)
+        action = self.at.get(index)
+        if action == "crash":
+            os._exit(70)
+        if action == "raise":
+            raise InjectedFault(f"injected fault at step {index}")
+        if action == "hang":
+            time.sleep(10**6)
