@@ -93,8 +93,10 @@ async def main_async(args, url: str) -> None:
     print(f"memory bandwidth {bw:.1f} GB/s; weights read per step {step_bytes / 1e6:.0f} MB")
     print(f"decode limit: {limit:.1f} steps/s (one token per stream per step)")
     await run_streams(url, 1, 8)  # warm-up
-    print(f"{'streams':>7} {'tok/s/stream':>13} {'total tok/s':>12} {'vs 1 stream':>12} "
-          f"{'steps/s of limit':>17}")
+    print(
+        f"{'streams':>7} {'tok/s/stream':>13} {'total tok/s':>12} {'vs 1 stream':>12} "
+        f"{'steps/s of limit':>17}"
+    )
     base = None
     for n in args.streams:
         r = await run_streams(url, n, args.tokens)

@@ -162,6 +162,7 @@ class Scheduler:
     def __init__(
         self,
         tokenizer: Tokenizer,
+        worker,
         *,
         slots: int,
         ctx: int,
@@ -175,7 +176,7 @@ class Scheduler:
         self.slots = [Slot(i) for i in range(slots)]
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.draining: list[Sequence] = []  # finished, events not yet taken by the handler
-        self.worker = None  # a Supervisor once the engine is up
+        self.worker = worker  # a started Supervisor: `ready`, `await step()`, `await restart()`
         self._wakeup = trio.Event()
         self._uses = 0
         self._steps = 0
@@ -186,7 +187,7 @@ class Scheduler:
 
     @property
     def ready(self) -> bool:
-        return self.worker is not None and self.worker.ready and not self._closing
+        return self.worker.ready and not self._closing
 
     def stats(self) -> Stats:
         running = sum(1 for s in self.slots if s.seq is not None)
@@ -224,9 +225,9 @@ class Scheduler:
 
     # --- the loop -------------------------------------------------------------------------
 
-    async def run(self, worker) -> None:
-        """Step the engine until `close`; `worker` is a started Supervisor."""
-        self.worker = worker
+    async def run(self) -> None:
+        """Step the engine until `close`."""
+        worker = self.worker
         while not self._closing:
             self._deliver()
             self._reap()

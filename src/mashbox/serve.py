@@ -51,9 +51,11 @@ def bind(host: str, port: int, stall_timeout: float) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # Second line of defence against a client that stops reading: the kernel gives up on
-    # unacknowledged data (and zero-window probes) after this long; accepted sockets inherit it.
+    # unacknowledged data (and zero-window probes) after this long; accepted sockets inherit
+    # it. Twice the stall timeout, so the scheduler's own deadline frees the slot first.
     if hasattr(socket, "TCP_USER_TIMEOUT"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(stall_timeout * 1000))
+        timeout_ms = int(2 * stall_timeout * 1000)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, timeout_ms)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -145,12 +147,13 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
     state.tokenizer, state.template = tokenizer, template
     state.scheduler = Scheduler(
         tokenizer,
+        supervisor,
         slots=opts.slots,
         ctx=info.ctx,
         prefill_chunk=opts.prefill_chunk,
         stall_timeout=opts.stall_timeout,
     )
-    nursery.start_soon(state.scheduler.run, supervisor)
+    nursery.start_soon(state.scheduler.run)
     log.info(
         "ready in %.1f s: %s (%s, %.0fM params, %s on %s), %d slots x %d tokens",
         time.monotonic() - t0,

@@ -1,0 +1,126 @@
+"""The scheduler alone, stepping a real engine in this process (no HTTP)."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from mashbox.engine.engine import Engine
+from mashbox.protocol import SamplingParams
+from mashbox.scheduler import (
+    MAX_WAITING,
+    MAX_WAITING_PER_TENANT,
+    Finished,
+    QueueFull,
+    Request,
+    Scheduler,
+    TextDelta,
+)
+from mashbox.text.tokenizer import Tokenizer
+
+
+class InProcessEngine:
+    """The Supervisor's interface over an engine running in this process."""
+
+    ready = True
+
+    def __init__(self, engine: Engine, step_delay: float = 0.0):
+        self.engine = engine
+        self.step_delay = step_delay
+        self.steps = 0
+
+    async def step(self, step):
+        self.steps += 1
+        await trio.sleep(self.step_delay)
+        return self.engine.step(step)
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_llama):
+    return Tokenizer.from_gguf(tiny_llama), Engine(tiny_llama, slots=2, ctx=512)
+
+
+def request(tok, text="Tell me a story", **kw) -> Request:
+    params = kw.pop("params", SamplingParams())
+    return Request(tuple(tok.encode(text)), params, kw.pop("max_tokens", 400), **kw)
+
+
+async def test_a_reader_that_takes_nothing_is_dropped_after_the_stall_timeout(parts):
+    tok, engine = parts
+    worker = InProcessEngine(engine, step_delay=0.005)
+    scheduler = Scheduler(tok, worker, slots=2, ctx=512, stall_timeout=0.5)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scheduler.run)
+        seq, events = scheduler.submit(request(tok, ignore_eos=True))
+        t0 = trio.current_time()
+        while not seq.output_ids:
+            await trio.sleep(0.01)
+        while scheduler.stats().running:
+            await trio.sleep(0.02)
+        elapsed = trio.current_time() - t0
+        steps = worker.steps
+        await trio.sleep(0.2)
+        assert worker.steps == steps  # nothing runs for it any more
+        nursery.cancel_scope.cancel()
+    # It was dropped after the channel filled and 0.5 s passed, long before 400 tokens.
+    assert 0.5 <= elapsed < 3
+    received = [e async for e in events]  # the buffered events, then the closed channel
+    assert all(isinstance(e, TextDelta) for e in received)
+    assert len(received) < 400
+
+
+async def test_a_slow_reader_is_never_dropped(parts):
+    tok, engine = parts
+    worker = InProcessEngine(engine)
+    scheduler = Scheduler(tok, worker, slots=2, ctx=512, stall_timeout=0.3)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scheduler.run)
+        _, events = scheduler.submit(request(tok, max_tokens=80, ignore_eos=True))
+        received = []
+        t0 = trio.current_time()
+        async for event in events:
+            received.append(event)
+            await trio.sleep(0.25 if len(received) % 10 == 0 else 0)  # bursts, then pauses
+        assert trio.current_time() - t0 > 1.5  # five times the stall timeout
+        nursery.cancel_scope.cancel()
+    assert isinstance(received[-1], Finished)
+    assert received[-1].usage.completion_tokens == 80
+
+
+async def test_cancel_frees_the_slot_before_the_next_step(parts):
+    tok, engine = parts
+    worker = InProcessEngine(engine, step_delay=0.01)
+    scheduler = Scheduler(tok, worker, slots=1, ctx=512)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scheduler.run)
+        seq, events = scheduler.submit(request(tok, ignore_eos=True))
+        await events.receive()
+        queued, _ = scheduler.submit(request(tok, "Another one", max_tokens=2))
+        assert scheduler.stats().waiting == 1
+        scheduler.cancel(seq)
+        steps = worker.steps
+        while scheduler.stats().waiting:
+            await trio.sleep(0)
+        assert worker.steps <= steps + 1  # the queued request took the slot within one step
+        assert queued.slot is not None and seq.slot is None
+        nursery.cancel_scope.cancel()
+
+
+def test_queue_limits_per_tenant_and_in_all(parts):
+    tok, _ = parts
+    # Ready, but never stepped: everyone waits.
+    scheduler = Scheduler(tok, InProcessEngine(None), slots=1, ctx=512)
+    for _ in range(MAX_WAITING_PER_TENANT):
+        scheduler.submit(request(tok, tenant="alice"))
+    with pytest.raises(QueueFull) as exc:
+        scheduler.submit(request(tok, tenant="alice"))
+    assert not exc.value.whole_queue
+    tenants = [f"t{i}" for i in range(MAX_WAITING)]
+    for name in tenants:
+        if len(scheduler.waiting) == MAX_WAITING:
+            break
+        scheduler.submit(request(tok, tenant=name))
+    assert len(scheduler.waiting) == MAX_WAITING
+    with pytest.raises(QueueFull) as exc:
+        scheduler.submit(request(tok, tenant="somebody-new"))
+    assert exc.value.whole_queue
