@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from mashbox.engine import weights as weights_mod
 from mashbox.engine.dequant import dequantize
 from mashbox.engine.engine import Engine
-from mashbox.engine.sampling import sample, uniforms
+from mashbox.engine.sampling import apply_penalties, sample, uniforms
 from mashbox.protocol import Admit, Decode, Prefill, SamplingParams, Step
 from tinymodels import random_weights, write_gguf
 
@@ -160,3 +160,17 @@ def test_sampling_follows_the_distribution():
     assert {sample(logits, top_p, pos) for pos in range(300)} == {0, 1}
     min_p = SamplingParams(temperature=1.0, min_p=0.5, seed=1)
     assert {sample(logits, min_p, pos) for pos in range(300)} == {0, 1}
+
+
+def test_penalties():
+    logits = torch.tensor([2.0, -1.0, 0.5, 0.0])
+    prompt = torch.tensor([True, True, False, False])
+    counts = torch.tensor([0, 0, 3, 0], dtype=torch.int32)
+    rep = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), prompt, counts)
+    # Seen tokens (prompt or output) shrink towards "less likely": divided if > 0, times if < 0.
+    assert rep.tolist() == [1.0, -2.0, 0.25, 0.0]
+    freq = apply_penalties(logits, SamplingParams(frequency_penalty=0.5), prompt, counts)
+    assert freq.tolist() == [2.0, -1.0, -1.0, 0.0]  # output counts only
+    pres = apply_penalties(logits, SamplingParams(presence_penalty=0.5), prompt, counts)
+    assert pres.tolist() == [2.0, -1.0, 0.0, 0.0]
+    assert torch.equal(apply_penalties(logits, SamplingParams(), prompt, counts), logits)

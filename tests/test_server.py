@@ -291,3 +291,13 @@ async def test_concurrent_streams_all_progress(server):
     first_done = max(t for name, t in events if name == "first")
     late_first = min(t for name, t in events if name == "late")
     assert late_first < first_done
+
+
+def test_default_max_tokens_runs_to_the_end_of_the_context(server):
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "Paris", "ignore_eos": True, "some_future_field": {"x": 1}},
+        timeout=120,
+    ).json()
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == 256
