@@ -72,6 +72,7 @@ class Finished:
     reason: str
     usage: Usage
     timings: Timings
+    stop_sequence: str | None = None  # the stop string that ended the text, if one did
 
 
 @attrs.frozen
@@ -436,7 +437,8 @@ class Scheduler:
             if text:
                 seq.outbox.append(TextDelta(text))
                 seq.emitted = True
-        seq.outbox.append(Finished(reason, self._usage(seq), self._timings(seq)))
+        finished = Finished(reason, self._usage(seq), self._timings(seq), seq.stops.matched)
+        seq.outbox.append(finished)
         seq.done = True
         self._release(seq)
         self.draining.append(seq)

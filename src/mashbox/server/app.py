@@ -9,7 +9,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from . import openai_api
+from . import anthropic_api, openai_api
 from .errors import ApiError
 from .state import ServerState
 
@@ -96,12 +96,18 @@ def create_app(state: ServerState) -> QuartTrio:
         headers = {}
         if exc.code == 405 and exc.valid_methods:
             headers["Allow"] = ", ".join(exc.valid_methods)
-        return _json({"error": {"message": exc.description, "type": kind}}, exc.code, headers)
+        error = ApiError(exc.code, exc.description, type=kind, headers=headers)
+        if _is_anthropic(request.path):
+            error = error.for_anthropic()
+        return _json(error.body(), error.status, error.headers)
 
     @app.errorhandler(Exception)
     async def unexpected(exc: Exception):
         app.logger.exception("unexpected error")
-        return _json({"error": {"message": "internal error", "type": "server_error"}}, 500)
+        error = ApiError(500, "internal error", type="server_error")
+        if _is_anthropic(request.path):
+            error = error.for_anthropic()
+        return _json(error.body(), 500)
 
     async def health():
         return _json(health_body(state), 200 if state.ready else 503)
@@ -121,15 +127,34 @@ def create_app(state: ServerState) -> QuartTrio:
 
     @app.post("/v1/chat/completions")
     async def chat_completions():
-        result = await openai_api.chat_completions(state, await _json_body())
+        result = await openai_api.chat_completions(state, await _json_body(), request.headers)
         return result if isinstance(result, Response) else _json(result)
 
     @app.post("/v1/completions")
     async def completions():
-        result = await openai_api.completions(state, await _json_body())
+        result = await openai_api.completions(state, await _json_body(), request.headers)
         return result if isinstance(result, Response) else _json(result)
 
+    @app.post("/v1/messages")
+    async def messages():
+        try:
+            result = await anthropic_api.messages(state, await _json_body(), request.headers)
+        except ApiError as exc:
+            raise exc.for_anthropic() from None
+        return result if isinstance(result, Response) else _json(result)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens():
+        try:
+            return _json(await anthropic_api.count_tokens(state, await _json_body()))
+        except ApiError as exc:
+            raise exc.for_anthropic() from None
+
     return app
+
+
+def _is_anthropic(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 class ShieldFinalSend:

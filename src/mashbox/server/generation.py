@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 from ..protocol import SamplingParams
-from ..scheduler import Request, random_seed
+from ..scheduler import Finished, Request, random_seed
 from .errors import ApiError, bad_request
 from .state import ServerState
 from .validate import Body
@@ -84,3 +87,20 @@ def build_request(body: Body, state: ServerState, prompt_ids: list[int], tenant:
         ignore_eos=body.bool("ignore_eos", False),
         stream=body.bool("stream", False),
     )
+
+
+log = logging.getLogger("mashbox")
+
+
+def log_request(route: str, status: int, done: Finished | None, session: str | None, t0: float):
+    """One server log line per request when it ends (never a key, never the text)."""
+    total_ms = (time.perf_counter() - t0) * 1000
+    if done is None:
+        log.info("%s %d total=%.0fms session=%s", route, status, total_ms, session or "-")
+        return
+    u, t = done.usage, done.timings
+    log.info(
+        "%s %d prompt=%d cached=%d generated=%d queue=%.0fms total=%.0fms finish=%s session=%s",
+        route, status, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
+        t.queue_ms, total_ms, done.reason, session or "-",
+    )  # fmt: skip

@@ -1,4 +1,4 @@
-"""OpenAI Chat Completions and Completions: parse, submit to the scheduler, render."""
+"""OpenAI Chat Completions and Completions: parse, submit to the scheduler, render events."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import attrs
 from quart import Response
 
 from ..scheduler import Failed, Finished, NotReady, QueueFull, Request, Restarted, TextDelta
-from ..text.chat_template import ChatTemplateError
+from . import chat
+from .chat import InvalidToolCall, Reasoning, ToolCall, ToolChoice
 from .errors import ApiError, bad_request, not_ready
-from .generation import build_request, check_model
+from .generation import build_request, check_model, log_request
 from .state import ServerState
 from .validate import Body
 
@@ -26,9 +27,18 @@ def submit(state: ServerState, request: Request):
     except NotReady:
         raise not_ready() from None
     except QueueFull as exc:
-        raise ApiError(
-            429, str(exc), type="rate_limit_error", headers={"Retry-After": "1"}
-        ) from None
+        code = "queue_full" if exc.whole_queue else "tenant_queue_full"
+        headers = {"Retry-After": "1"}
+        raise ApiError(429, str(exc), type="rate_limit_error", code=code, headers=headers) from None
+
+
+def failure(event: Failed) -> ApiError:
+    if event.status == 503:
+        return ApiError(503, event.message, type="unavailable", headers={"Retry-After": "5"})
+    return ApiError(event.status, event.message, type="server_error")
+
+
+# --- request parsing -------------------------------------------------------------------------
 
 
 def message_text(content, where: str) -> str:
@@ -38,7 +48,7 @@ def message_text(content, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of parts", where)
+        raise bad_request(f"{where}.content must be a string or a list of parts", "messages")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -46,15 +56,38 @@ def message_text(content, where: str) -> str:
             texts.append(part["text"])
         elif kind in ("image_url", "input_image", "input_audio", "file", "image", "audio"):
             raise bad_request(
-                f"{where}.content[{j}] is a {kind} part: this model reads text only", where
+                f"{where}.content[{j}] is a {kind} part: this model reads text only", "messages"
             )
         else:
-            raise bad_request(f"{where}.content[{j}] must be a text part", where)
+            raise bad_request(f"{where}.content[{j}] must be a text part", "messages")
     return "".join(texts)
 
 
+def _tool_calls(value, where: str) -> list[dict]:
+    if not isinstance(value, list):
+        raise bad_request(f"{where}.tool_calls must be an array", "messages")
+    calls = []
+    for j, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"{where}.tool_calls[{j}].function.name is required", "messages")
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str | dict):
+            raise bad_request(
+                f"{where}.tool_calls[{j}].function.arguments must be a string", "messages"
+            )
+        calls.append(
+            {
+                "id": str(call.get("id") or f"call_{j}"),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return calls
+
+
 def chat_messages(body: Body) -> list[dict]:
-    """Messages for the chat template; system and developer join one leading system prompt."""
+    """HF-style messages; system and developer join one leading system prompt."""
     messages = body.list("messages")
     if not messages:
         raise bad_request("messages must be a non-empty array", "messages")
@@ -73,15 +106,54 @@ def chat_messages(body: Body) -> list[dict]:
             system.append(text)
             continue
         out = {"role": "tool" if role == "function" else role, "content": text}
-        for key in ("tool_calls", "tool_call_id", "reasoning_content", "name"):
-            if m.get(key) is not None:
-                out[key] = m[key]
+        if role == "assistant" and m.get("tool_calls"):
+            out["tool_calls"] = _tool_calls(m["tool_calls"], where)
+        if role == "assistant" and isinstance(m.get("reasoning_content"), str):
+            out["reasoning_content"] = m["reasoning_content"]
+        if out["role"] == "tool":
+            out["tool_call_id"] = str(m.get("tool_call_id") or "")
+            if isinstance(m.get("name"), str):
+                out["name"] = m["name"]
         rest.append(out)
     head = [{"role": "system", "content": "\n\n".join(system)}] if system else []
     return head + rest
 
 
-def _thinking(body: Body) -> bool:
+def chat_tools(body: Body) -> list[dict] | None:
+    """Function tools, normalised to {"type": "function", "function": {...}}."""
+    tools = body.list("tools")
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise bad_request(f"tools[{i}] must be a function tool", "tools")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"tools[{i}].function.name is required", "tools")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be an object", "tools")
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(body: Body) -> ToolChoice:
+    value = body.raw("tool_choice", "auto")
+    if value in ("auto", "none", "required"):
+        return ToolChoice(value)
+    if isinstance(value, dict) and value.get("type") == "function":
+        name = (value.get("function") or {}).get("name")
+        if isinstance(name, str):
+            return ToolChoice("function", name)
+    raise bad_request(
+        "tool_choice must be auto, none, required or {'type': 'function', 'function': "
+        "{'name': ...}}",
+        "tool_choice",
+    )
+
+
+def thinking_requested(body: Body) -> bool:
     kwargs = body.object("chat_template_kwargs")
     if kwargs is not None and kwargs.has("enable_thinking"):
         return kwargs.bool("enable_thinking")
@@ -93,20 +165,31 @@ def _refuse_unsupported(body: Body) -> None:
     body.refuse("top_logprobs", "log probabilities are not returned")
     fmt = body.object("response_format")
     if fmt is not None and fmt.raw("type", "text") != "text":
-        raise bad_request("response_format: only {'type': 'text'} is supported", "response_format")
+        raise bad_request(
+            "response_format: only {'type': 'text'} is supported (no structured output)",
+            "response_format",
+        )
 
 
-def _include_usage(body: Body) -> bool:
+def include_usage(body: Body) -> bool:
     options = body.object("stream_options")
     return bool(options and options.bool("include_usage", False))
 
 
-def _sse(obj) -> bytes:
+def session_tag(body: Body, headers) -> str | None:
+    """prompt_cache_key or X-Session-Id: tags the request in the server log."""
+    return body.str("prompt_cache_key") or headers.get("X-Session-Id")
+
+
+# --- rendering -------------------------------------------------------------------------------
+
+
+def sse(obj) -> bytes:
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
     return f"data: {data}\n\n".encode()
 
 
-def _event_stream(chunks) -> Response:
+def event_stream(chunks) -> Response:
     response = Response(chunks, mimetype="text/event-stream")
     response.headers["Cache-Control"] = "no-cache"
     response.headers["X-Accel-Buffering"] = "no"
@@ -114,125 +197,150 @@ def _event_stream(chunks) -> Response:
     return response
 
 
-def _usage_dict(usage) -> dict:
-    return {
+def usage_dict(usage, *, details: bool = True) -> dict:
+    out = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+    if details:
+        out["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    return out
+
+
+def stream_error(rid: str, message: str) -> bytes:
+    return sse({"error": {"message": message, "type": "server_error", "request_id": rid}})
+
+
+def _tool_call_dict(call: ToolCall) -> dict:
+    return {
+        "id": "call_" + secrets.token_hex(12),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
     }
 
 
-def _failure(event: Failed) -> ApiError:
-    if event.status == 503:
-        return ApiError(503, event.message, type="unavailable", headers={"Retry-After": "5"})
-    return ApiError(event.status, event.message, type="server_error")
+# --- routes ----------------------------------------------------------------------------------
 
 
-async def _collect(state, seq, events) -> tuple[str, Finished]:
-    """Gather a whole answer (non-streamed requests)."""
-    parts = []
-    try:
-        async with events:
-            async for event in events:
-                if isinstance(event, TextDelta):
-                    parts.append(event.text)
-                elif isinstance(event, Restarted):
-                    parts.clear()
-                elif isinstance(event, Finished):
-                    return "".join(parts), event
-                elif isinstance(event, Failed):
-                    raise _failure(event)
-    finally:
-        state.scheduler.cancel(seq)
-    raise ApiError(500, "the request was dropped before it finished", type="server_error")
-
-
-async def chat_completions(state: ServerState, data, tenant: str = ""):
+async def chat_completions(state: ServerState, data, headers, tenant: str = ""):
     if not state.ready:
         raise not_ready()
+    t0 = time.perf_counter()
     body = Body(data)
     check_model(body, state)
     _refuse_unsupported(body)
-    messages = chat_messages(body)
-    try:
-        prompt = state.template.render(
-            messages, add_generation_prompt=True, enable_thinking=_thinking(body)
-        )
-    except ChatTemplateError as exc:
-        raise bad_request(f"the chat template refused these messages: {exc}", "messages") from None
-    ids = state.tokenizer.encode(prompt, add_bos=state.tokenizer.add_bos)
+    prompt = chat.render(
+        state,
+        chat_messages(body),
+        tools=chat_tools(body),
+        tool_choice=chat_tool_choice(body),
+        thinking=thinking_requested(body),
+    )
+    ids = state.tokenizer.encode(prompt.text, add_bos=state.tokenizer.add_bos)
     request = build_request(body, state, ids, tenant)
-    stream = body.bool("stream", False)
-    include_usage = _include_usage(body)
+    usage_chunk = include_usage(body)
+    session = session_tag(body, headers)
     seq, events = submit(state, request)
     rid = "chatcmpl-" + secrets.token_hex(12)
-    created = int(time.time())
-    base = {"id": rid, "created": created, "model": state.model_id}
+    base = {"id": rid, "created": int(time.time()), "model": state.model_id}
     fingerprint = f"seed-{request.params.seed}"
+    route = "/v1/chat/completions"
 
-    if not stream:
-        text, done = await _collect(state, seq, events)
+    if not request.stream:
+        reasoning, content, calls = [], [], []
+        try:
+            async with events:
+                async for event in chat.parsed(events, prompt):
+                    if isinstance(event, Reasoning):
+                        reasoning.append(event.text)
+                    elif isinstance(event, InvalidToolCall):
+                        content.append(event.text)
+                    elif isinstance(event, ToolCall):
+                        calls.append(_tool_call_dict(event))
+                    elif isinstance(event, Restarted):
+                        reasoning, content, calls = [], [], []
+                    elif isinstance(event, Failed):
+                        log_request(route, event.status, None, session, t0)
+                        raise failure(event)
+                    elif isinstance(event, Finished):
+                        done = event
+                        break
+                    else:
+                        content.append(event.text)
+                else:
+                    raise ApiError(500, "the request was dropped", type="server_error")
+        finally:
+            state.scheduler.cancel(seq)
+        text = "".join(content)
+        message = {"role": "assistant", "content": text if text.strip() or not calls else None}
+        if reasoning:
+            message["reasoning_content"] = "".join(reasoning)
+        if calls:
+            message["tool_calls"] = calls
+        log_request(route, 200, done, session, t0)
         return {
             **base,
             "object": "chat.completion",
             "system_fingerprint": fingerprint,
             "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": done.reason,
-                }
+                {"index": 0, "message": message, "finish_reason": chat.finish_reason(done, calls)}
             ],
-            "usage": _usage_dict(done.usage),
+            "usage": usage_dict(done.usage),
             "timings": attrs.asdict(done.timings),
         }
 
     def chunk(delta: dict, finish=None, **extra) -> bytes:
-        return _sse(
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        return sse(
             {
                 **base,
                 "object": "chat.completion.chunk",
                 "system_fingerprint": fingerprint,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                "choices": [choice],
                 **extra,
             }
         )
 
     async def chunks():
+        n_calls = 0
         try:
             yield chunk({"role": "assistant", "content": ""})
             async with events:
-                async for event in events:
-                    if isinstance(event, TextDelta):
-                        yield chunk({"content": event.text})
+                async for event in chat.parsed(events, prompt):
+                    if isinstance(event, Reasoning):
+                        yield chunk({"reasoning_content": event.text})
+                    elif isinstance(event, ToolCall):
+                        call = {"index": n_calls, **_tool_call_dict(event)}
+                        n_calls += 1
+                        yield chunk({"tool_calls": [call]})
                     elif isinstance(event, Finished):
                         timings = attrs.asdict(event.timings)
-                        yield chunk({}, event.reason, timings=timings)
-                        if include_usage:
-                            yield _sse(
+                        yield chunk({}, chat.finish_reason(event, n_calls), timings=timings)
+                        if usage_chunk:
+                            yield sse(
                                 {
                                     **base,
                                     "object": "chat.completion.chunk",
                                     "choices": [],
-                                    "usage": _usage_dict(event.usage),
+                                    "usage": usage_dict(event.usage),
                                     "timings": timings,
                                 }
                             )
-                        yield _sse("[DONE]")
+                        yield sse("[DONE]")
+                        log_request(route, 200, event, session, t0)
                         return
                     elif isinstance(event, Failed):
-                        yield _stream_error(rid, event.message)
+                        yield stream_error(rid, event.message)
+                        log_request(route, event.status, None, session, t0)
                         return
-            yield _stream_error(rid, "the request was dropped before it finished")
+                    elif not isinstance(event, Restarted):  # Content or InvalidToolCall
+                        yield chunk({"content": event.text})
+            yield stream_error(rid, "the request was dropped before it finished")
         finally:
             state.scheduler.cancel(seq)
 
-    return _event_stream(chunks())
-
-
-def _stream_error(rid: str, message: str) -> bytes:
-    return _sse({"error": {"message": message, "type": "server_error", "request_id": rid}})
+    return event_stream(chunks())
 
 
 def completion_prompt(body: Body) -> str:
@@ -247,17 +355,17 @@ def completion_prompt(body: Body) -> str:
     return prompt
 
 
-async def completions(state: ServerState, data, tenant: str = ""):
+async def completions(state: ServerState, data, headers, tenant: str = ""):
     if not state.ready:
         raise not_ready()
+    t0 = time.perf_counter()
     body = Body(data)
     check_model(body, state)
     body.refuse("logprobs", "log probabilities are not returned")
-    prompt = completion_prompt(body)
-    ids = state.tokenizer.encode(prompt, add_bos=state.tokenizer.add_bos)
+    ids = state.tokenizer.encode(completion_prompt(body), add_bos=state.tokenizer.add_bos)
     request = build_request(body, state, ids, tenant)
-    stream = body.bool("stream", False)
-    include_usage = _include_usage(body)
+    usage_chunk = include_usage(body)
+    session = session_tag(body, headers)
     seq, events = submit(state, request)
     rid = "cmpl-" + secrets.token_hex(12)
     base = {
@@ -267,47 +375,61 @@ async def completions(state: ServerState, data, tenant: str = ""):
         "model": state.model_id,
         "system_fingerprint": f"seed-{request.params.seed}",
     }
+    route = "/v1/completions"
 
-    def usage_dict(usage):
-        d = _usage_dict(usage)
-        d.pop("prompt_tokens_details")
-        return d
-
-    if not stream:
-        text, done = await _collect(state, seq, events)
+    if not request.stream:
+        parts = []
+        try:
+            async with events:
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        parts.append(event.text)
+                    elif isinstance(event, Restarted):
+                        parts.clear()
+                    elif isinstance(event, Failed):
+                        log_request(route, event.status, None, session, t0)
+                        raise failure(event)
+                    elif isinstance(event, Finished):
+                        done = event
+                        break
+                else:
+                    raise ApiError(500, "the request was dropped", type="server_error")
+        finally:
+            state.scheduler.cancel(seq)
+        log_request(route, 200, done, session, t0)
         return {
             **base,
-            "choices": [{"index": 0, "text": text, "finish_reason": done.reason}],
-            "usage": usage_dict(done.usage),
+            "choices": [{"index": 0, "text": "".join(parts), "finish_reason": done.reason}],
+            "usage": usage_dict(done.usage, details=False),
             "timings": attrs.asdict(done.timings),
         }
+
+    def choice(text: str, finish=None) -> dict:
+        return {"index": 0, "text": text, "finish_reason": finish}
 
     async def chunks():
         try:
             async with events:
                 async for event in events:
                     if isinstance(event, TextDelta):
-                        yield _sse(
-                            {
-                                **base,
-                                "choices": [
-                                    {"index": 0, "text": event.text, "finish_reason": None}
-                                ],
-                            }
-                        )
+                        yield sse({**base, "choices": [choice(event.text)]})
                     elif isinstance(event, Finished):
                         timings = attrs.asdict(event.timings)
-                        choice = {"index": 0, "text": "", "finish_reason": event.reason}
-                        yield _sse({**base, "choices": [choice], "timings": timings})
-                        if include_usage:
-                            yield _sse({**base, "choices": [], "usage": usage_dict(event.usage)})
-                        yield _sse("[DONE]")
+                        yield sse(
+                            {**base, "choices": [choice("", event.reason)], "timings": timings}
+                        )
+                        if usage_chunk:
+                            usage = usage_dict(event.usage, details=False)
+                            yield sse({**base, "choices": [], "usage": usage})
+                        yield sse("[DONE]")
+                        log_request(route, 200, event, session, t0)
                         return
                     elif isinstance(event, Failed):
-                        yield _stream_error(rid, event.message)
+                        yield stream_error(rid, event.message)
+                        log_request(route, event.status, None, session, t0)
                         return
-            yield _stream_error(rid, "the request was dropped before it finished")
+            yield stream_error(rid, "the request was dropped before it finished")
         finally:
             state.scheduler.cancel(seq)
 
-    return _event_stream(chunks())
+    return event_stream(chunks())

@@ -17,6 +17,7 @@ class StopMatcher:
         self._stops = tuple(dict.fromkeys(stops))
         self._held = ""
         self._stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     @property
     def stopped(self) -> bool:
@@ -36,7 +37,8 @@ class StopMatcher:
         if match is not None:
             self._stopped = True
             self._held = ""
-            return buf[:match], True
+            self.matched = match[1]
+            return buf[: match[0]], True
         keep = self._partial_suffix(buf)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], False
@@ -46,16 +48,16 @@ class StopMatcher:
         held, self._held = self._held, ""
         return "" if self._stopped else held
 
-    def _first_match(self, buf: str) -> int | None:
-        """Return where the stop that ends first in buf starts, or None."""
-        best: tuple[int, int] | None = None  # (end, start)
+    def _first_match(self, buf: str) -> tuple[int, str] | None:
+        """Return where the stop that ends first in buf starts, and which stop it is."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self._stops:
             start = buf.find(stop)
             if start >= 0:
-                cand = (start + len(stop), start)
-                if best is None or cand < best:
+                cand = (start + len(stop), start, stop)
+                if best is None or cand[:2] < best[:2]:
                     best = cand
-        return None if best is None else best[1]
+        return None if best is None else (best[1], best[2])
 
     def _partial_suffix(self, buf: str) -> int:
         """Return the length of the longest suffix of buf that begins some stop string."""

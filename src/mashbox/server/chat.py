@@ -1,0 +1,217 @@
+"""One chat path for every protocol: neutral messages -> prompt; engine text -> parsed events.
+
+Adapters (OpenAI chat, Anthropic messages, OpenAI responses) convert their messages into the
+Hugging Face message dicts used here and render the parsed events; none of them renders a
+template or parses model text itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import attrs
+import trio
+
+from ..scheduler import Failed, Finished, Restarted, TextDelta
+from ..text.chat_template import ChatTemplateError
+from ..text.parser import InvalidToolCall, OutputParser, Reasoning, ToolCall
+from .errors import bad_request
+from .state import ServerState
+
+# Qwen2.5's own words, for templates that know nothing of tools (Hermes-style tool calling).
+TOOL_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+@attrs.frozen
+class ToolChoice:
+    """auto, none, required, or one named function."""
+
+    mode: str = "auto"
+    name: str | None = None
+
+
+@attrs.frozen
+class ChatPrompt:
+    """A rendered prompt and how to read the model's answer to it."""
+
+    text: str
+    reasoning: bool  # thinking is on: <think> spans become reasoning
+    in_reasoning: bool  # the prompt itself opened <think>
+    tools_offered: bool  # tool-call markup is parsed as calls
+    forced_prefix: str | None  # text the server put after the generation prompt
+
+    def parser(self) -> OutputParser:
+        parser = OutputParser(
+            reasoning=self.reasoning,
+            in_reasoning=self.in_reasoning,
+            tools=self.tools_offered,
+            tool_call_open=self.forced_prefix is not None,
+        )
+        if self.forced_prefix:
+            # The body of a forced call starts in the prompt: the parser must see it too.
+            parser.feed(self.forced_prefix.removeprefix("<tool_call>\n"))
+        return parser
+
+
+def _arguments_as_object(tool_call: dict) -> dict:
+    """Templates expect function.arguments as a mapping; clients send a JSON string."""
+    call = dict(tool_call)
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict):
+            function["arguments"] = parsed
+    call["function"] = function
+    return call
+
+
+def _tool_call_text(call: dict) -> str:
+    function = call.get("function") or {}
+    body = {"name": function.get("name"), "arguments": function.get("arguments", {})}
+    return "<tool_call>\n" + json.dumps(body, ensure_ascii=False) + "\n</tool_call>"
+
+
+def _without_template_tools(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Describe tools, calls and results as text for a template that cannot."""
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(_tool_call_text(c) for c in m["tool_calls"])
+            content = (m.get("content") or "").rstrip()
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m["content"] = f"{content}\n{calls}" if content else calls
+        elif m["role"] == "tool":
+            text = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1]["role"] == "user" and out[-1].get("_tool_results"):
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + text}
+                continue
+            m = {"role": "user", "content": text, "_tool_results": True}
+        out.append(m)
+    out = [{k: v for k, v in m.items() if k != "_tool_results"} for m in out]
+    if tools:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        prompt = TOOL_PROMPT.format(tools=listing)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def render(
+    state: ServerState,
+    messages: list[dict],
+    *,
+    tools: list[dict] | None = None,
+    tool_choice: ToolChoice = ToolChoice(),
+    thinking: bool = False,
+) -> ChatPrompt:
+    """Render messages (HF dicts) through the model's template, with tools and thinking.
+
+    tool_choice none hides the tools; required and a named function are enforced by
+    starting the answer with the tool-call markup (and the name) after the generation prompt.
+    """
+    if tool_choice.mode == "none":
+        tools = None
+    if tool_choice.name is not None and not any(
+        (t.get("function") or {}).get("name") == tool_choice.name for t in tools or ()
+    ):
+        raise bad_request(f"tool_choice names '{tool_choice.name}', which is not in tools")
+    forced = tool_choice.mode in ("required", "function") and bool(tools)
+    if forced:
+        thinking = False  # the forced call starts the answer
+    messages = [
+        {**m, "tool_calls": [_arguments_as_object(c) for c in m["tool_calls"]]}
+        if m.get("tool_calls")
+        else m
+        for m in messages
+    ]
+    template = state.template
+    if not template.uses_tools:
+        messages = _without_template_tools(messages, tools)
+    try:
+        text = template.render(
+            messages,
+            tools=tools if template.uses_tools else None,
+            add_generation_prompt=True,
+            enable_thinking=thinking,
+        )
+    except ChatTemplateError as exc:
+        raise bad_request(f"the chat template refused these messages: {exc}", "messages") from None
+    prefix = None
+    if forced:
+        prefix = "<tool_call>\n"
+        if tool_choice.name is not None:
+            prefix += json.dumps({"name": tool_choice.name})[:-1] + ', "arguments": '
+        text += prefix
+    in_reasoning = thinking and text.rstrip().endswith("<think>")
+    return ChatPrompt(text, thinking, in_reasoning, bool(tools), prefix)
+
+
+@attrs.frozen
+class Ping:
+    """Nothing happened for a while (streams send a keep-alive event)."""
+
+
+async def parsed(events, prompt: ChatPrompt, *, ping_every: float | None = None):
+    """Scheduler events with the answer's text parsed into reasoning, content and tool calls.
+
+    With ping_every, a Ping is yielded after that many seconds without an event (during a
+    long prefill, say): the receive is cancelled, never the generator itself.
+    """
+    parser = prompt.parser()
+    while True:
+        with trio.move_on_after(ping_every if ping_every else math.inf) as waited:
+            try:
+                event = await events.receive()
+            except trio.EndOfChannel:
+                return
+        if waited.cancelled_caught:
+            yield Ping()
+            continue
+        if isinstance(event, TextDelta):
+            for item in parser.feed(event.text):
+                yield item
+        elif isinstance(event, Finished):
+            for item in parser.finish():
+                yield item
+            yield event
+        elif isinstance(event, Restarted):
+            parser = prompt.parser()
+            yield event
+        elif isinstance(event, Failed):
+            yield event
+
+
+def finish_reason(done: Finished, called_tools: bool) -> str:
+    """stop, length, or tool_calls when the answer ended after calling tools."""
+    return "tool_calls" if called_tools and done.reason == "stop" else done.reason
+
+
+__all__ = [
+    "ChatPrompt",
+    "InvalidToolCall",
+    "Ping",
+    "Reasoning",
+    "ToolCall",
+    "ToolChoice",
+    "parsed",
+]

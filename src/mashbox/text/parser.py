@@ -1,0 +1,253 @@
+"""Parse streamed model output into reasoning, content and tool-call events.
+
+One `OutputParser` per generation is fed the detokenized text (already cut at stop strings)
+in whatever pieces it arrives, and returns events. Every protocol adapter renders these
+events; none parses model text itself.
+
+The events do not depend on how the text was split: merging adjacent Reasoning (or Content)
+events of `feed()` calls plus `finish()` gives the same list for any split. Partial tags are
+held back exactly as a stop-string matcher holds back a partial stop.
+
+Whitespace that only separates blocks is dropped, so splits cannot change it:
+
+- Reasoning loses its leading newlines (right after `<think>`) and its trailing newlines
+  (right before `</think>`, or at the end of generation), as vLLM's Qwen3/DeepSeek parsers
+  and the Qwen3 chat template (`reasoning.strip("\\n")`) do.
+- Content loses its leading whitespace after a closed block (`</think>`, `</tool_call>`),
+  until its first non-space character; so whitespace between tool calls is never content.
+- Content loses its trailing whitespace right before an opening tag (`<think>`,
+  `<tool_call>`); trailing whitespace at the end of generation is kept.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+
+import attrs
+
+
+@attrs.frozen
+class Reasoning:
+    """Thinking text (inside `<think>...</think>`)."""
+
+    text: str
+
+
+@attrs.frozen
+class Content:
+    """Answer text."""
+
+    text: str
+
+
+@attrs.frozen
+class ToolCall:
+    """One complete tool call.
+
+    `arguments` is `json.dumps(obj, ensure_ascii=False)` of the arguments object ("{}" when
+    absent); `raw` is the exact text between the tags, for custom tools that take free text.
+    """
+
+    name: str
+    arguments: str
+    raw: str
+
+
+@attrs.frozen
+class InvalidToolCall:
+    """Tool-call markup without valid JSON naming a tool; adapters render it as content."""
+
+    text: str
+
+
+Event = Reasoning | Content | ToolCall | InvalidToolCall
+
+
+def merge(events: list[Event]) -> list[Event]:
+    """Join adjacent Reasoning events, and adjacent Content events, into one each."""
+    out: list[Event] = []
+    for event in events:
+        last = out[-1] if out else None
+        if isinstance(event, Reasoning | Content) and type(last) is type(event):
+            out[-1] = type(event)(last.text + event.text)
+        else:
+            out.append(event)
+    return out
+
+
+class _State(enum.Enum):
+    CONTENT = enum.auto()
+    REASONING = enum.auto()
+    TOOL = enum.auto()
+
+
+class OutputParser:
+    """Turn one generation's output text, fed in pieces, into events.
+
+    `reasoning` turns `<think>...</think>` into Reasoning; `in_reasoning` says the prompt
+    already opened `<think>`. `tools` turns `<tool_call>{json}</tool_call>` into ToolCall;
+    `tool_call_open` says the prompt already opened `<tool_call>` (a forced tool call).
+    Tags that are off are plain content. Within one state no active tag may contain another.
+    """
+
+    def __init__(
+        self,
+        *,
+        reasoning: bool = False,
+        in_reasoning: bool = False,
+        tools: bool = True,
+        tool_call_open: bool = False,
+        think_tags: tuple[str, str] = ("<think>", "</think>"),
+        tool_tags: tuple[str, str] = ("<tool_call>", "</tool_call>"),
+    ) -> None:
+        if in_reasoning and not reasoning:
+            raise ValueError("in_reasoning needs reasoning=True")
+        if tool_call_open and not tools:
+            raise ValueError("tool_call_open needs tools=True")
+        if in_reasoning and tool_call_open:
+            raise ValueError("output cannot start both in reasoning and in a tool call")
+        if not all(think_tags) or not all(tool_tags):
+            raise ValueError("tags must be non-empty strings")
+        self._think_open, self._think_close = think_tags
+        self._tool_open, self._tool_close = tool_tags
+        self._opening = tuple(
+            tag for tag, on in ((self._think_open, reasoning), (self._tool_open, tools)) if on
+        )
+        self._buf = ""
+        # Set at a block boundary (tag seen, or opened by the prompt); cleared once the text
+        # that follows has emitted a non-space character.
+        self._strip_lead = in_reasoning
+        self._scanned = 0  # how much of a tool body was already searched for the close tag
+        if in_reasoning:
+            self._state = _State.REASONING
+        elif tool_call_open:
+            self._state = _State.TOOL
+        else:
+            self._state = _State.CONTENT
+
+    def feed(self, text: str) -> list[Event]:
+        """Add output text; return the events it completes."""
+        self._buf += text
+        events: list[Event] = []
+        while self._step(events):
+            pass
+        return events
+
+    def finish(self) -> list[Event]:
+        """End the generation: return events for the text still held back."""
+        held, self._buf = self._buf, ""
+        if self._state is _State.CONTENT:
+            # Held content is trailing whitespace, maybe followed by part of a tag.
+            return [Content(held)] if held else []
+        if self._state is _State.REASONING:
+            # Held reasoning is newlines, maybe followed by part of </think>.
+            text = held.rstrip("\n")
+            return [Reasoning(text)] if text else []
+        # Models often stop at EOS right after the JSON, without the close tag.
+        body = held[: len(held) - _partial_suffix(held, (self._tool_close,))]
+        event = self._tool_call(body)
+        if isinstance(event, InvalidToolCall):
+            event = InvalidToolCall(self._tool_open + held)
+        return [event]
+
+    def _step(self, events: list[Event]) -> bool:
+        """Consume what the buffer allows; return True when the state changed."""
+        if self._state is _State.CONTENT:
+            return self._step_content(events)
+        if self._state is _State.REASONING:
+            return self._step_reasoning(events)
+        return self._step_tool(events)
+
+    def _step_content(self, events: list[Event]) -> bool:
+        buf = self._buf.lstrip() if self._strip_lead else self._buf
+        at, tag = _first_tag(buf, self._opening)
+        if tag is not None:
+            if text := buf[:at].rstrip():
+                events.append(Content(text))
+            self._buf = buf[at + len(tag) :]
+            self._strip_lead = True
+            if tag == self._tool_open:
+                self._state, self._scanned = _State.TOOL, 0
+            else:
+                self._state = _State.REASONING
+            return True
+        safe = len(buf) - _partial_suffix(buf, self._opening)
+        # Trailing whitespace waits: it is dropped if an opening tag follows.
+        text = buf[:safe].rstrip() if self._opening else buf[:safe]
+        if text:
+            events.append(Content(text))
+            self._strip_lead = False
+        self._buf = buf[len(text) :]
+        return False
+
+    def _step_reasoning(self, events: list[Event]) -> bool:
+        buf = self._buf.lstrip("\n") if self._strip_lead else self._buf
+        at = buf.find(self._think_close)
+        if at >= 0:
+            if text := buf[:at].rstrip("\n"):
+                events.append(Reasoning(text))
+            self._buf = buf[at + len(self._think_close) :]
+            self._state, self._strip_lead = _State.CONTENT, True
+            return True
+        safe = len(buf) - _partial_suffix(buf, (self._think_close,))
+        # Trailing newlines wait: they are dropped if </think> follows.
+        if text := buf[:safe].rstrip("\n"):
+            events.append(Reasoning(text))
+            self._strip_lead = False
+        self._buf = buf[len(text) :]
+        return False
+
+    def _step_tool(self, events: list[Event]) -> bool:
+        at = self._buf.find(self._tool_close, self._scanned)
+        if at < 0:
+            self._scanned = max(0, len(self._buf) - len(self._tool_close) + 1)
+            return False
+        body = self._buf[:at]
+        events.append(self._tool_call(body))
+        self._buf = self._buf[at + len(self._tool_close) :]
+        self._state, self._strip_lead = _State.CONTENT, True
+        return True
+
+    def _tool_call(self, body: str) -> ToolCall | InvalidToolCall:
+        """Parse a tool-call body (Hermes/Qwen JSON) into a ToolCall, or mark it invalid."""
+        invalid = InvalidToolCall(self._tool_open + body + self._tool_close)
+        try:
+            call = json.loads(body)
+        except ValueError:
+            return invalid
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return invalid
+        args = call.get("arguments", call.get("parameters"))
+        if isinstance(args, str):
+            # Some models encode the arguments object as a JSON string.
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                return invalid
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            return invalid
+        return ToolCall(call["name"], json.dumps(args, ensure_ascii=False), body)
+
+
+def _first_tag(buf: str, tags: tuple[str, ...]) -> tuple[int, str | None]:
+    """Return where the earliest of tags starts in buf, and which; (-1, None) if none does."""
+    best: tuple[int, str | None] = (-1, None)
+    for tag in tags:
+        at = buf.find(tag)
+        if at >= 0 and (best[1] is None or at < best[0]):
+            best = (at, tag)
+    return best
+
+
+def _partial_suffix(buf: str, tags: tuple[str, ...]) -> int:
+    """Return the length of the longest suffix of buf that begins one of tags."""
+    longest = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(buf)), longest, -1):
+            if buf.endswith(tag[:n]):
+                longest = n
+                break
+    return longest
