@@ -27,17 +27,11 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(tiny_llama, tmp_path_factory):
-    """A real `mashbox run` on the tiny Llama: 4 slots of 256 tokens."""
+    """A real `mashbox run` on the tiny Llama: 4 slots of 1024 tokens."""
     proc = ServerProcess(
-        str(tiny_llama),
-        "--ctx",
-        "256",
-        "--slots",
-        "4",
-        "--threads",
-        "1",
+        str(tiny_llama), "--ctx", "1024", "--slots", "4", "--threads", "1",
         log=tmp_path_factory.mktemp("logs") / "server.log",
-    )
+    )  # fmt: skip
     try:
         proc.wait_ready(120)
         yield proc

@@ -123,6 +123,13 @@ def test_loading_answers_503_then_ready(tiny_llama):
         assert chat.status_code == 503
         assert chat.json()["error"]["type"] == "unavailable"
         assert int(chat.headers["Retry-After"]) > 0
+        message = httpx.post(
+            url + "/v1/messages", json={"messages": [{"role": "user", "content": "x"}]}
+        )
+        assert message.status_code == 529
+        assert message.json()["error"]["type"] == "overloaded_error"
+        assert message.headers["x-should-retry"] == "true"
+        assert int(message.headers["Retry-After"]) > 0
         proc.wait_ready()
         assert httpx.get(url + "/health").json()["status"] == "ok"
     finally:

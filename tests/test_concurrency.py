@@ -313,6 +313,10 @@ async def test_while_the_engine_restarts_health_says_loading_and_requests_get_50
                 assert r.status_code == 503
                 assert r.json()["error"]["type"] == "unavailable"
                 assert int(r.headers["Retry-After"]) >= 1
+                m = await http.post("/v1/messages", json=chat_body(max_tokens=1))
+                assert m.status_code == 529
+                assert m.json()["error"]["type"] == "overloaded_error"
+                assert m.headers["x-should-retry"] == "true"
         assert health(url)["status"] == "ok"
     finally:
         proc.stop()

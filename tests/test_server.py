@@ -46,7 +46,7 @@ def test_health_and_models(server):
     (card,) = models["data"]
     assert card["id"] == "tiny-llama.gguf"
     assert card["object"] == "model" and card["owned_by"] == "mashbox-labs"
-    assert card["max_model_len"] == 256 and card["slots"] == 4
+    assert card["max_model_len"] == 1024 and card["slots"] == 4
     assert httpx.get(server.url + "/v1/models/tiny-llama.gguf").json() == card
     r = httpx.get(server.url + "/v1/models/gpt-4")
     assert r.status_code == 404
@@ -235,7 +235,7 @@ def test_another_model_is_404_and_absent_model_is_fine(server):
 
 
 def test_prompt_longer_than_the_context_is_400(server):
-    long = "Paris France capital " * 200
+    long = "Paris France capital " * 700
     r = httpx.post(server.url + "/v1/completions", json={"prompt": long, "max_tokens": 2})
     assert r.status_code == 400
     assert "context" in r.json()["error"]["message"]
@@ -300,4 +300,4 @@ def test_default_max_tokens_runs_to_the_end_of_the_context(server):
         timeout=120,
     ).json()
     assert r["choices"][0]["finish_reason"] == "length"
-    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == 256
+    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == 1024
