@@ -164,6 +164,10 @@ async def test_32_waiting_then_429_with_retry_after(slow_server):
                 nursery.start_soon(one, i)
             await trio.sleep(1.0)
             assert health(url)["waiting"] == 32
+            # The same bound on the Anthropic route, in its shape.
+            m = await http.post("/v1/messages", json=chat_body(max_tokens=1))
+            assert m.status_code == 429 and m.headers["Retry-After"]
+            assert m.json()["error"]["type"] == "rate_limit_error"
             holder.close()  # the slot frees; the 32 run one by one
     assert statuses.count(429) == 8
     assert statuses.count(200) == 32
