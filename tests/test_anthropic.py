@@ -81,7 +81,9 @@ def test_count_tokens_equals_what_the_engine_sees(client):
         model=MODEL,
         system="You are terse.",
         messages=[{"role": "user", "content": "What is the capital of France?"}],
-        tools=[{"name": "get_weather", "description": "Weather", "input_schema": {"type": "object"}}],
+        tools=[
+            {"name": "get_weather", "description": "Weather", "input_schema": {"type": "object"}}
+        ],
     )
     counted = client.messages.count_tokens(**kwargs).input_tokens
     m = client.messages.create(max_tokens=2, **kwargs)
@@ -100,7 +102,7 @@ def test_history_with_tool_use_and_results(client):
             {
                 "role": "assistant",
                 "content": [
-                    {"type": "thinking", "thinking": "Call the tool.", "signature": "mashbox-local"},
+                    {"type": "thinking", "thinking": "Call it.", "signature": "mashbox-local"},
                     {"type": "text", "text": "Let me check."},
                     {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
                      "input": {"city": "Paris"}},
@@ -158,7 +160,9 @@ def test_sdk_raises_typed_errors(client):
 def test_protocol_errors_use_the_anthropic_shape(server):
     r = httpx.get(server.url + "/v1/messages")
     assert r.status_code == 405 and r.json()["type"] == "error"
-    r = httpx.post(server.url + "/v1/messages", content=b"{", headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.url + "/v1/messages", content=b"{", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(server.url + "/v1/messages/count_tokens", json={"messages": "no"})
     assert r.status_code == 400 and r.json()["type"] == "error"
@@ -167,4 +171,6 @@ def test_protocol_errors_use_the_anthropic_shape(server):
 def test_key_in_either_header_is_accepted(server):
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     for headers in ({"x-api-key": "k"}, {"authorization": "Bearer k"}):
-        assert httpx.post(server.url + "/v1/messages", json=body, headers=headers).status_code == 200
+        assert (
+            httpx.post(server.url + "/v1/messages", json=body, headers=headers).status_code == 200
+        )

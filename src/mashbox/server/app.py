@@ -9,7 +9,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from . import anthropic_api, openai_api
+from . import anthropic_api, openai_api, responses_api
 from .errors import ApiError
 from .state import ServerState
 
@@ -133,6 +133,11 @@ def create_app(state: ServerState) -> QuartTrio:
     @app.post("/v1/completions")
     async def completions():
         result = await openai_api.completions(state, await _json_body(), request.headers)
+        return result if isinstance(result, Response) else _json(result)
+
+    @app.post("/v1/responses")
+    async def responses():
+        result = await responses_api.responses(state, await _json_body(), request.headers)
         return result if isinstance(result, Response) else _json(result)
 
     @app.post("/v1/messages")
