@@ -155,6 +155,29 @@ class Stats:
 
     running: int
     waiting: int
+    kv_cache_usage: float = 0.0  # fraction of slots x ctx holding tokens of running requests
+
+
+class Observer:
+    """What the scheduler reports as requests move (for metrics); this one ignores it all.
+
+    Calls are plain numbers and values, made on the scheduler's task: an observer must not
+    block. The scheduler knows nothing of how they are counted (no prometheus here).
+    """
+
+    def admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request got a slot: a prefix cache lookup of `prompt_tokens`, `cached_tokens` hit."""
+
+    def stepped(self, prompt_tokens: int, generated_tokens: int) -> None:
+        """One engine step: prompts fully prefilled in it (whole prompt lengths, cached part
+        included) and tokens it generated for requests still running."""
+
+    def finished(
+        self, done: Finished, *, queue_s: float, ttft_s: float, e2e_s: float, tpot_s: float | None
+    ) -> None:
+        """A request ended with `done.reason` stop or length. Tool calls are decided by the
+        route from the text, so an answer that ends in tool calls is a "stop" here. Times
+        are from submission; `tpot_s` is the mean gap after the first token (None for one)."""
 
 
 class Scheduler:
@@ -169,8 +192,10 @@ class Scheduler:
         ctx: int,
         prefill_chunk: int = 256,
         stall_timeout: float = 30.0,
+        observer: Observer | None = None,
     ):
         self.tokenizer = tokenizer
+        self.observer = observer or Observer()
         self.ctx = ctx
         self.prefill_chunk = prefill_chunk
         self.stall_timeout = stall_timeout
@@ -191,8 +216,13 @@ class Scheduler:
         return self.worker.ready and not self._closing
 
     def stats(self) -> Stats:
-        running = sum(1 for s in self.slots if s.seq is not None)
-        return Stats(running=running, waiting=len(self.waiting))
+        running = [s for s in self.slots if s.seq is not None]
+        used = sum(len(s.tokens) for s in running)
+        return Stats(
+            running=len(running),
+            waiting=len(self.waiting),
+            kv_cache_usage=used / (len(self.slots) * self.ctx) if self.slots and self.ctx else 0.0,
+        )
 
     def submit(self, request: Request) -> tuple[Sequence, trio.MemoryReceiveChannel]:
         """Queue a request; raise NotReady or QueueFull instead of queueing."""
@@ -367,6 +397,7 @@ class Scheduler:
             seq.cached = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)
             del slot.tokens[seq.cached :]
             seq.prefilled = seq.cached
+            self.observer.admitted(len(prompt), seq.cached)
             self._uses += 1
             slot.seq, slot.last_used, seq.slot = seq, self._uses, slot
             seq.t_start = time.perf_counter()
@@ -398,6 +429,7 @@ class Scheduler:
 
     def _apply(self, step: Step, tokens: dict[int, int]) -> None:
         now = time.perf_counter()
+        prompt_tokens = generated = 0
         for p in step.prefills:
             slot = self.slots[p.slot]
             if slot.seq is None or slot.seq.cancelled:
@@ -405,13 +437,17 @@ class Scheduler:
             slot.tokens.extend(p.token_ids)
             slot.seq.prefilled += len(p.token_ids)
             if p.sample:
+                prompt_tokens += len(slot.seq.request.prompt_ids)
+                generated += 1
                 self._on_token(slot.seq, tokens[p.slot], now)
         for d in step.decodes:
             slot = self.slots[d.slot]
             if slot.seq is None or slot.seq.cancelled:
                 continue
             slot.tokens.append(d.token_id)
+            generated += 1
             self._on_token(slot.seq, tokens[d.slot], now)
+        self.observer.stepped(prompt_tokens, generated)
 
     def _on_token(self, seq: Sequence, token: int, now: float) -> None:
         if seq.t_first is None:
@@ -438,6 +474,14 @@ class Scheduler:
                 seq.outbox.append(TextDelta(text))
                 seq.emitted = True
         finished = Finished(reason, self._usage(seq), self._timings(seq), seq.stops.matched)
+        n = len(seq.output_ids)
+        self.observer.finished(
+            finished,
+            queue_s=seq.t_start - seq.t_submit,
+            ttft_s=seq.t_first - seq.t_submit,
+            e2e_s=time.perf_counter() - seq.t_submit,
+            tpot_s=(seq.t_last - seq.t_first) / (n - 1) if n > 1 else None,
+        )
         seq.outbox.append(finished)
         seq.done = True
         self._release(seq)

@@ -18,7 +18,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from . import registry
 from .scheduler import Scheduler
 from .server.app import ShieldFinalSend, create_app
-from .server.state import ServerState
+from .server.state import ServerState, model_identity, weights_sha
 from .text.chat_template import ChatTemplate
 from .text.tokenizer import Tokenizer
 from .worker_client import Supervisor, WorkerError, WorkerProcess
@@ -152,7 +152,10 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
         ctx=info.ctx,
         prefill_chunk=opts.prefill_chunk,
         stall_timeout=opts.stall_timeout,
+        observer=state.metrics,
     )
+    weights = weights_sha(path, ref.entry)
+    state.identity = model_identity(ref.id, weights, tokenizer, template, info, opts.slots)
     nursery.start_soon(state.scheduler.run)
     log.info(
         "ready in %.1f s: %s (%s, %.0fM params, %s on %s), %d slots x %d tokens",

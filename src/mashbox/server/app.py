@@ -9,8 +9,9 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from . import anthropic_api, openai_api, responses_api
+from . import anthropic_api, openai_api, openapi, responses_api
 from .errors import ApiError
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .state import ServerState
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -26,8 +27,9 @@ def _json(body, status: int = 200, headers=None) -> Response:
 
 
 def health_body(state: ServerState) -> dict:
-    """The `Health` document; fields that later parts fill stay at their idle values."""
+    """The `Health` document. Cache bytes are 0: there is no host-memory prompt cache yet."""
     stats = state.scheduler.stats() if state.scheduler else None
+    ids = state.identity
     return {
         "status": "ok" if state.ready else "loading",
         "live_rows": stats.running if stats else None,
@@ -37,12 +39,13 @@ def health_body(state: ServerState) -> dict:
         "snapshot_bytes": 0,
         "host_cache_cap_bytes": 0,
         "host_cache_evictions": 0,
-        "cache_namespace": None,
-        "deployment_id": None,
-        "component_set_sha": None,
-        "certification": "not_certified",
+        "cache_namespace": ids.cache_namespace if ids else None,
+        "deployment_id": ids.deployment_id if ids else None,
+        "component_set_sha": ids.component_set_sha if ids else None,
+        "certification": "not_certified",  # no certification gate exists
+        # The engine runs eager torch and compiles nothing: 0 after ready, null before.
         "compiles_after_ready": 0 if state.ready else None,
-        "routed_experts": None,
+        "routed_experts": None,  # every supported architecture is dense
         "worker_pid": state.supervisor.pid if state.supervisor else None,
         "worker_restarts": state.supervisor.restarts if state.supervisor else 0,
     }
@@ -114,6 +117,14 @@ def create_app(state: ServerState) -> QuartTrio:
 
     for path in ("/v1/health", "/health", "/"):
         app.add_url_rule(path, f"health{path}", health, methods=["GET"])
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), content_type=METRICS_CONTENT_TYPE)
+
+    @app.get("/openapi.json")
+    async def openapi_json():
+        return _json(openapi.document(state.model_id))
 
     @app.get("/v1/models")
     async def list_models():

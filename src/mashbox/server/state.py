@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from importlib import metadata
+from pathlib import Path
+
 import attrs
 
 from ..protocol import EngineInfo
@@ -9,6 +14,7 @@ from ..scheduler import Scheduler
 from ..text.chat_template import ChatTemplate
 from ..text.tokenizer import Tokenizer
 from ..worker_client import Supervisor
+from .metrics import Metrics
 
 
 @attrs.define(eq=False)
@@ -23,6 +29,10 @@ class ServerState:
     template: ChatTemplate | None = None
     scheduler: Scheduler | None = None
     supervisor: Supervisor | None = None
+    identity: Identity | None = None  # set once the model is loaded
+    metrics: Metrics = attrs.field(
+        init=False, default=attrs.Factory(lambda self: Metrics(self), takes_self=True)
+    )
 
     @property
     def info(self) -> EngineInfo | None:
@@ -31,3 +41,67 @@ class ServerState:
     @property
     def ready(self) -> bool:
         return self.scheduler is not None and self.scheduler.ready
+
+
+@attrs.frozen
+class Identity:
+    """The ids /health reports; each a sha256 (hex) over canonical JSON of what it names."""
+
+    cache_namespace: str  # what cached prompt KV is valid for
+    deployment_id: str  # the programs this server runs
+    component_set_sha: str  # what the model is made of
+
+
+def _sha(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def weights_sha(path: Path, entry: dict | None) -> str:
+    """The registry's sha256 of the weights (checked when fetched); for a local file or folder,
+    a sha256 over each file's name, size and mtime: hashing gigabytes at every start is slow."""
+    if entry is not None:
+        return entry["sha256"]
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    return _sha([[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+
+
+def model_identity(
+    model_id: str,
+    weights: str,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    info: EngineInfo,
+    slots: int,
+) -> Identity:
+    """Hash the model's parts, its cache policy and the engine it runs on into the ids."""
+    components = _sha(
+        {
+            "weights": weights,
+            "tokenizer": tokenizer.fingerprint(),
+            "chat_template": hashlib.sha256(template.source.encode()).hexdigest(),
+        }
+    )
+    # Prefix reuse is always on; no host-memory cache (cache_ram_mib 0) exists yet.
+    policy = {"prefix_reuse": True, "ctx": info.ctx, "cache_ram_mib": 0}
+    namespace = _sha({"model": model_id, "components": components, "cache": policy})
+    deployment = _sha(
+        {
+            "mashbox": _version("mashbox"),
+            "torch": _version("torch"),
+            "device": info.device,
+            "dtype": info.dtype,
+            "arch": info.arch,
+            "ctx": info.ctx,
+            "slots": slots,
+            "model": model_id,
+            "components": components,
+        }
+    )
+    return Identity(namespace, deployment, components)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None

@@ -1,0 +1,182 @@
+"""/metrics: what the server does, in the Prometheus text format, under vLLM's metric names.
+
+Every name starts with `mashbox:`; the one label every metric has is `model_name`, the served
+model id. No label names a user, an API key or a session. Counters and histograms are fed by
+the scheduler through the `Observer` calls; gauges are read from the live state at scrape
+time, so they answer while the model loads too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from ..scheduler import Finished, Observer
+
+if TYPE_CHECKING:
+    from .state import ServerState
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+# vLLM's bucket edges (vllm/v1/metrics/loggers.py), so dashboards built for it fit as they are.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+TPOT_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+# The scheduler's reasons. An answer that ends in tool calls ends with "stop" there (the route
+# reads the calls out of the text afterwards), so it is counted as "stop".
+FINISH_REASONS = ("stop", "length")
+
+
+class Metrics(Observer):
+    """The server's registry (never prometheus-client's global one) and the scheduler's
+    observer that feeds it."""
+
+    def __init__(self, state: ServerState):
+        self.registry = CollectorRegistry()
+        model = state.model_id
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["model_name"], registry=self.registry).labels(model)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            metric = Histogram(name, doc, ["model_name"], registry=self.registry, buckets=buckets)
+            return metric.labels(model)
+
+        success = Counter(
+            "mashbox:request_success",
+            "Requests answered, by finish reason (stop: end of turn, stop string or tool calls).",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.request_success = {reason: success.labels(model, reason) for reason in FINISH_REASONS}
+        self.prompt_tokens = counter(
+            "mashbox:prompt_tokens", "Prompt tokens of requests prefilled (cached ones included)."
+        )
+        self.generation_tokens = counter("mashbox:generation_tokens", "Tokens generated.")
+        self.prefix_cache_queries = counter(
+            "mashbox:prefix_cache_queries",
+            "Prefix cache lookups, in tokens: the prompt tokens of each request given a slot.",
+        )
+        self.prefix_cache_hits = counter(
+            "mashbox:prefix_cache_hits",
+            "Prefix cache hits, in tokens: prompt tokens whose KV a slot already held.",
+        )
+        self.num_preemptions = counter(
+            "mashbox:num_preemptions",
+            "Requests preempted (never: a request keeps its slot until it ends).",
+        )
+        self.ttft = histogram(
+            "mashbox:time_to_first_token_seconds",
+            "Time from submission to the first generated token.",
+            TTFT_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "mashbox:request_queue_time_seconds",
+            "Time a request waited for a slot.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.e2e = histogram(
+            "mashbox:e2e_request_latency_seconds",
+            "Time from submission to the last token.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.tpot = histogram(
+            "mashbox:time_per_output_token_seconds",
+            "Mean time per generated token after the first (requests with two or more).",
+            TPOT_BUCKETS,
+        )
+        self.registry.register(_LiveCollector(state))
+
+    # --- the scheduler's observer ---------------------------------------------------------
+
+    def admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prefix_cache_queries.inc(prompt_tokens)
+        self.prefix_cache_hits.inc(cached_tokens)
+
+    def stepped(self, prompt_tokens: int, generated_tokens: int) -> None:
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
+        if generated_tokens:
+            self.generation_tokens.inc(generated_tokens)
+
+    def finished(
+        self, done: Finished, *, queue_s: float, ttft_s: float, e2e_s: float, tpot_s: float | None
+    ) -> None:
+        # Histograms count successful requests only; cancelled and failed ones are in neither.
+        self.request_success[done.reason].inc()
+        self.queue_time.observe(queue_s)
+        self.ttft.observe(ttft_s)
+        self.e2e.observe(e2e_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+
+    def render(self) -> bytes:
+        """The text exposition of every metric, as of now."""
+        return generate_latest(self.registry)
+
+
+class _LiveCollector:
+    """Gauges (and the restart counter) read from the server state at each scrape."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def collect(self):
+        state = self.state
+        model = [state.model_id]
+        stats = state.scheduler.stats() if state.scheduler is not None else None
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(model, value)
+            return family
+
+        yield gauge(
+            "mashbox:num_requests_running",
+            "Requests holding a slot.",
+            stats.running if stats else 0,
+        )
+        yield gauge(
+            "mashbox:num_requests_waiting",
+            "Requests waiting for a slot.",
+            stats.waiting if stats else 0,
+        )
+        yield gauge(
+            "mashbox:kv_cache_usage_perc",
+            "Fraction of the KV cache (slots x context) holding tokens of running requests.",
+            stats.kv_cache_usage if stats else 0.0,
+        )
+        if state.scheduler is not None:  # the context length is final once the engine runs
+            info = GaugeMetricFamily(
+                "mashbox:cache_config_info",
+                "The KV cache layout: one slot (block) holds one whole context.",
+                labels=["model_name", "block_size", "num_blocks", "enable_prefix_caching"],
+            )
+            info.add_metric([state.model_id, str(state.ctx), str(state.slots), "True"], 1)
+            yield info
+        restarts = CounterMetricFamily(
+            "mashbox:worker_restarts",
+            "Times the engine worker process was started again after a fault.",
+            labels=["model_name"],
+        )
+        restarts.add_metric(model, state.supervisor.restarts if state.supervisor else 0)
+        yield restarts
+        # The engine runs eager torch and compiles nothing, so nothing compiles after ready.
+        yield gauge(
+            "mashbox:compiles_after_ready",
+            "Programs compiled since the server reported ready, in every worker process.",
+            0,
+        )

@@ -1,0 +1,265 @@
+"""/metrics through a real `mashbox run`, read with prometheus-client's own parser.
+
+The session server is shared with other tests: every check measures the change around its own
+requests, sent one at a time once the server is idle.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from mashbox.protocol import EngineInfo
+from mashbox.server.app import create_app
+from mashbox.server.state import ServerState, model_identity, weights_sha
+
+MODEL = "tiny-llama.gguf"
+COUNTERS = [
+    "request_success",
+    "prompt_tokens",
+    "generation_tokens",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
+    "worker_restarts",
+]
+GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
+HISTOGRAMS = [
+    "time_to_first_token_seconds",
+    "request_queue_time_seconds",
+    "e2e_request_latency_seconds",
+    "time_per_output_token_seconds",
+]
+
+
+def parse(text: str) -> dict:
+    """{(sample name, sorted label items): value} of every sample."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def scrape(url: str) -> dict:
+    r = httpx.get(url + "/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    return parse(r.text)
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    key = (f"mashbox:{name}", tuple(sorted({"model_name": MODEL, **labels}.items())))
+    return samples[key]
+
+
+def wait_idle(url: str, timeout: float = 30) -> dict:
+    """Scrape until nothing runs or waits (another test's request may still be ending)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(url)
+        busy = value(samples, "num_requests_running") + value(samples, "num_requests_waiting")
+        if not busy:
+            return samples
+        assert time.monotonic() < deadline, "the server did not become idle"
+        time.sleep(0.05)
+
+
+def test_names_labels_and_cache_layout(server):
+    text = httpx.get(server.url + "/metrics").text
+    families = list(text_string_to_metric_families(text))
+    assert families and all(f.name.startswith("mashbox:") for f in families)
+    names = {f.name.removeprefix("mashbox:") for f in families}
+    assert {*COUNTERS, *GAUGES, *HISTOGRAMS, "cache_config_info", "compiles_after_ready"} <= names
+    for family in families:
+        for sample in family.samples:
+            assert sample.labels["model_name"] == MODEL, sample
+    samples = parse(text)
+    layout = {"block_size": "1024", "num_blocks": "4", "enable_prefix_caching": "True"}
+    assert value(samples, "cache_config_info", **layout) == 1
+    assert value(samples, "compiles_after_ready") == 0
+    assert value(samples, "num_preemptions_total") == 0
+    assert value(samples, "worker_restarts_total") == 0
+    bounds = [
+        float(dict(labels)["le"])
+        for (name, labels) in samples
+        if name == "mashbox:time_to_first_token_seconds_bucket"
+    ]
+    assert bounds[:3] == [0.001, 0.005, 0.01] and bounds[-2:] == [2560.0, float("inf")]
+
+
+def test_counters_and_histograms_move_by_the_requests(server):
+    before = wait_idle(server.url)
+    usages = []
+    body = {
+        "prompt": "The capital of France is",
+        "max_tokens": 3,
+        "ignore_eos": True,
+        "prompt_cache_key": "secret-key",
+    }
+    for _ in range(2):  # one after the other: the second finds the first's prompt cached
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json=body,
+            headers={"X-Session-Id": "secret-session"},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        usages.append({**r.json()["usage"], "cached": r.json()["timings"]["cache_n"]})
+    after = wait_idle(server.url)
+
+    def moved(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    prompt = sum(u["prompt_tokens"] for u in usages)
+    cached = sum(u["cached"] for u in usages)
+    assert usages[1]["cached"] > 0
+    assert moved("generation_tokens_total") == 6
+    assert moved("prompt_tokens_total") == prompt
+    assert moved("prefix_cache_queries_total") == prompt
+    assert moved("prefix_cache_hits_total") == cached
+    assert moved("request_success_total", finished_reason="length") == 2
+    assert moved("request_success_total", finished_reason="stop") == 0
+    assert moved("num_preemptions_total") == 0
+    assert moved("worker_restarts_total") == 0
+    for histogram in HISTOGRAMS:
+        assert moved(f"{histogram}_count") == 2
+        assert moved(f"{histogram}_bucket", le="+Inf") == 2
+        assert moved(f"{histogram}_sum") > 0 or histogram == "request_queue_time_seconds"
+    # No label names a user, key or session.
+    values = {v for _, labels in after for _, v in labels}
+    assert not any("secret" in v for v in values), values
+
+
+def test_a_stop_is_counted_as_stop(server):
+    before = wait_idle(server.url)
+    # The tiny model's text is random, but a one-character stop string still ends most
+    # answers; whichever way it ends is the reason counted.
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "a b c", "max_tokens": 40, "stop": [" "], "ignore_eos": True},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    reason = r.json()["choices"][0]["finish_reason"]
+    after = wait_idle(server.url)
+    other = {"stop": "length", "length": "stop"}[reason]
+    assert value(after, "request_success_total", finished_reason=reason) == (
+        value(before, "request_success_total", finished_reason=reason) + 1
+    )
+    assert value(after, "request_success_total", finished_reason=other) == (
+        value(before, "request_success_total", finished_reason=other)
+    )
+    generated = r.json()["usage"]["completion_tokens"]
+    assert value(after, "generation_tokens_total") - value(before, "generation_tokens_total") == (
+        generated
+    )
+
+
+async def test_gauges_show_running_and_waiting(server):
+    """Six streams that nobody reads hold the four slots; two wait for one."""
+    wait_idle(server.url)
+    body = {"prompt": "Once upon a time", "stream": True, "ignore_eos": True}
+    seen = []
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+
+        async def hold(done: trio.Event):
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                await done.wait()  # never read: the request stays in its slot
+
+        done = trio.Event()
+        async with trio.open_nursery() as nursery:
+            for _ in range(6):
+                nursery.start_soon(hold, done)
+            with trio.fail_after(30):
+                while True:
+                    samples = parse((await client.get("/metrics")).text)
+                    health = (await client.get("/health")).json()
+                    running = value(samples, "num_requests_running")
+                    waiting = value(samples, "num_requests_waiting")
+                    usage = value(samples, "kv_cache_usage_perc")
+                    seen.append((running, waiting, usage))
+                    if (running, waiting) == (4, 2) == (health["live_rows"], health["waiting"]):
+                        break
+                    await trio.sleep(0.02)
+            done.set()
+    running, waiting, usage = seen[-1]
+    assert 0 < usage <= 1
+    samples = wait_idle(server.url)
+    assert value(samples, "kv_cache_usage_perc") == 0
+
+
+async def test_metrics_answer_while_loading():
+    """Before the model is loaded there is no scheduler: the gauges say 0, no layout yet."""
+    state = ServerState(model_id=MODEL, ctx=0, slots=4)
+    client = create_app(state).test_client()
+    r = await client.get("/metrics")
+    assert r.status_code == 200
+    samples = parse((await r.get_data()).decode())
+    assert value(samples, "num_requests_running") == 0
+    assert value(samples, "generation_tokens_total") == 0
+    assert not any(name == "mashbox:cache_config_info" for name, _ in samples)
+    r = await client.get("/health")
+    assert r.status_code == 503
+    health = await r.get_json()
+    assert health["status"] == "loading" and health["compiles_after_ready"] is None
+    assert health["cache_namespace"] is None
+
+
+def test_health_reports_every_field(server):
+    health = httpx.get(server.url + "/v1/health").json()
+    for field in ("cache_namespace", "deployment_id", "component_set_sha"):
+        assert len(health[field]) == 64 and int(health[field], 16) >= 0, field
+    assert len({health["cache_namespace"], health["deployment_id"]}) == 2
+    assert health["certification"] == "not_certified"
+    assert health["compiles_after_ready"] == 0
+    assert health["routed_experts"] is None
+    assert isinstance(health["worker_pid"], int) and health["worker_restarts"] == 0
+    for field in ("cache_bytes", "host_cache_bytes", "snapshot_bytes", "host_cache_cap_bytes"):
+        assert health[field] == 0
+    assert health["host_cache_evictions"] == 0
+    assert health["live_rows"] >= 0 and health["waiting"] >= 0
+
+
+def test_cache_namespace_covers_model_weights_tokenizer_template_and_policy():
+    class Tok:
+        def __init__(self, fingerprint):
+            self.fingerprint = lambda: fingerprint
+
+    class Template:
+        def __init__(self, source):
+            self.source = source
+
+    def info(ctx=1024, device="cpu"):
+        return EngineInfo(
+            arch="llama", n_params=1, weight_bytes=1, bits_per_weight=8.0, device=device,
+            dtype="float32", n_layers=2, vocab_size=10, max_context=2048, ctx=ctx,
+        )  # fmt: skip
+
+    def ids(model="m", weights="w", tok="t", template="{{x}}", **engine):
+        return model_identity(model, weights, Tok(tok), Template(template), info(**engine), 4)
+
+    base = ids()
+    assert ids() == base  # a pure function of its inputs
+    for changed in (ids(model="n"), ids(weights="v"), ids(tok="u"), ids(template="{{y}}")):
+        assert changed.cache_namespace != base.cache_namespace
+    assert ids(ctx=512).cache_namespace != base.cache_namespace  # the cache policy
+    # Another device runs other programs over the same model and the same cached prompts.
+    other_device = ids(device="cuda:0")
+    assert other_device.deployment_id != base.deployment_id
+    assert other_device.component_set_sha == base.component_set_sha
+    assert ids(model="n").component_set_sha == base.component_set_sha
+
+
+def test_weights_sha_is_the_registry_one_or_a_stat_hash(tmp_path):
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x")
+    assert weights_sha(f, {"sha256": "ab" * 32}) == "ab" * 32
+    first = weights_sha(f, None)
+    f.write_bytes(b"xy")
+    assert weights_sha(f, None) != first
