@@ -6,7 +6,7 @@ import itertools
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mashbox.text.parser import (
@@ -249,7 +249,9 @@ OPTIONS = st.sampled_from(
 )
 
 
-@settings(max_examples=300, deadline=None, database=None)
+@settings(
+    max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(split_text(), OPTIONS)
 def test_random_splits_give_same_events(case, options):
     text, chunks = case

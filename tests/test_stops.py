@@ -9,7 +9,7 @@ import pytest
 from mashbox.text.stops import StopMatcher
 
 try:
-    from hypothesis import given, settings
+    from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 except ImportError:  # hypothesis is optional
     given = None
@@ -101,7 +101,9 @@ def test_empty_stop_is_rejected():
 
 if given is not None:
 
-    @settings(max_examples=300, deadline=None, database=None)
+    @settings(
+        max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    )
     @given(
         stops=st.lists(st.text("abc", min_size=1, max_size=4), min_size=1, max_size=3),
         text=st.text("abcd", max_size=20),

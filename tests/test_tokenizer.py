@@ -17,7 +17,7 @@ import tinytok
 from mashbox.text.tokenizer import Detokenizer, Tokenizer
 
 try:
-    from hypothesis import given, settings
+    from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 except ImportError:  # hypothesis is optional
     given = None
@@ -228,7 +228,9 @@ def test_detokenizer_flushes_incomplete_bytes(bpe_tok):
 
 if given is not None:
 
-    @settings(max_examples=200, deadline=None, database=None)
+    @settings(
+        max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    )
     @given(ids=st.lists(st.integers(-1, 410), max_size=40))
     def test_detokenizer_equals_decode_for_any_ids(bpe_tok, spm_tok, ids):
         for tok in (bpe_tok, spm_tok):

@@ -51,6 +51,19 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a streaming client may read nothing before it is dropped (default 30)",
     )
     run.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="keys clients must send: one 'KEY [TENANT]' a line (also $MASHBOX_API_KEY)",
+    )
+    run.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another host name clients may use for this server (repeatable)",
+    )
+    run.add_argument(
         "--step-timeout",
         type=float,
         default=120.0,
@@ -88,6 +101,8 @@ def main(argv=None) -> int:
             stall_timeout=args.stall_timeout,
             step_timeout=args.step_timeout,
             keep_alive=args.keep_alive,
+            api_key_file=args.api_key_file,
+            allowed_hosts=tuple(args.allowed_host),
         )
         return run(args.model, opts)
     return 2

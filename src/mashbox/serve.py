@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
@@ -18,6 +19,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from . import registry
 from .scheduler import Scheduler
 from .server.app import ShieldFinalSend, create_app
+from .server.security import Guard, KeyFileError, read_key_file, tenant_of_unnamed
 from .server.state import ServerState, model_identity, weights_sha
 from .text.chat_template import ChatTemplate
 from .text.tokenizer import Tokenizer
@@ -43,6 +45,8 @@ class ServeOptions:
     stall_timeout: float = 30.0
     step_timeout: float = 120.0
     keep_alive: float = 5.0
+    api_key_file: Path | None = None
+    allowed_hosts: tuple[str, ...] = ()
 
 
 def bind(host: str, port: int, stall_timeout: float) -> socket.socket:
@@ -88,9 +92,11 @@ class _Progress:
         log.info("%s: %s (%.1f s)", message, size, now - self.t0)
 
 
-async def serve(ref: registry.ModelRef, sock: socket.socket, opts: ServeOptions) -> None:
+async def serve(
+    ref: registry.ModelRef, sock: socket.socket, opts: ServeOptions, guard: Guard
+) -> None:
     """Serve `ref` on the bound socket until SIGINT or SIGTERM."""
-    state = ServerState(model_id=ref.id, ctx=opts.ctx or 0, slots=opts.slots)
+    state = ServerState(model_id=ref.id, ctx=opts.ctx or 0, slots=opts.slots, guard=guard)
     config = Config()
     config.bind = [f"fd://{sock.fileno()}"]
     config.accesslog = None
@@ -190,12 +196,33 @@ async def _shut_down_on_signal(
             return
 
 
+def make_guard(opts: ServeOptions) -> Guard:
+    """Keys from --api-key-file and MASHBOX_API_KEY; refuse a non-loopback bind without one."""
+    keys = {}
+    if opts.api_key_file is not None:
+        try:
+            keys.update(read_key_file(opts.api_key_file))
+        except KeyFileError as exc:
+            raise FatalError(str(exc)) from None
+    env_key = os.environ.get("MASHBOX_API_KEY", "").strip()
+    if env_key:
+        keys.setdefault(env_key, tenant_of_unnamed(env_key))
+    guard = Guard(opts.host, keys, frozenset(h.lower() for h in opts.allowed_hosts))
+    if guard.keys_required and not keys:
+        raise FatalError(
+            f"refusing to listen on {opts.host} (not loopback) without an API key: "
+            "give --api-key-file FILE or set MASHBOX_API_KEY"
+        )
+    return guard
+
+
 def run(model: str, opts: ServeOptions) -> int:
     """Resolve, bind and serve; return the exit status."""
     try:
+        guard = make_guard(opts)
         ref = registry.resolve(model)
         sock = bind(opts.host, opts.port, opts.stall_timeout)
-        trio.run(serve, ref, sock, opts)
+        trio.run(serve, ref, sock, opts, guard)
     except (FatalError, registry.ModelError) as exc:
         print(f"mashbox: error: {exc}", file=sys.stderr)
         return 1

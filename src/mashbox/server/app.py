@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import trio
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -77,9 +77,31 @@ async def _json_body():
     if len(raw) > MAX_BODY_BYTES:
         raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        # ValueError covers invalid UTF-8 and integers past Python's 4300-digit limit.
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    if _has_lone_surrogate(data):
+        raise ApiError(400, "the body holds a lone UTF-16 surrogate (\\ud800-\\udfff)")
+    return data
+
+
+def _has_lone_surrogate(value) -> bool:
+    """JSON may escape lone surrogates, which no tokenizer can encode."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def create_app(state: ServerState) -> QuartTrio:
@@ -92,6 +114,15 @@ def create_app(state: ServerState) -> QuartTrio:
     @app.errorhandler(ApiError)
     async def api_error(exc: ApiError):
         return _json(exc.body(), exc.status, exc.headers)
+
+    @app.before_request
+    async def guard():
+        if request.routing_exception is not None:
+            return  # 404 and 405 come first
+        try:
+            g.tenant = state.guard.check(request.path, request.headers)
+        except ApiError as exc:
+            raise (exc.for_anthropic() if _is_anthropic(request.path) else exc) from None
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException):
@@ -138,23 +169,27 @@ def create_app(state: ServerState) -> QuartTrio:
 
     @app.post("/v1/chat/completions")
     async def chat_completions():
-        result = await openai_api.chat_completions(state, await _json_body(), request.headers)
+        result = await openai_api.chat_completions(
+            state, await _json_body(), request.headers, g.tenant
+        )
         return result if isinstance(result, Response) else _json(result)
 
     @app.post("/v1/completions")
     async def completions():
-        result = await openai_api.completions(state, await _json_body(), request.headers)
+        result = await openai_api.completions(state, await _json_body(), request.headers, g.tenant)
         return result if isinstance(result, Response) else _json(result)
 
     @app.post("/v1/responses")
     async def responses():
-        result = await responses_api.responses(state, await _json_body(), request.headers)
+        result = await responses_api.responses(state, await _json_body(), request.headers, g.tenant)
         return result if isinstance(result, Response) else _json(result)
 
     @app.post("/v1/messages")
     async def messages():
         try:
-            result = await anthropic_api.messages(state, await _json_body(), request.headers)
+            result = await anthropic_api.messages(
+                state, await _json_body(), request.headers, g.tenant
+            )
         except ApiError as exc:
             raise exc.for_anthropic() from None
         return result if isinstance(result, Response) else _json(result)

@@ -15,6 +15,7 @@ from ..text.chat_template import ChatTemplate
 from ..text.tokenizer import Tokenizer
 from ..worker_client import Supervisor
 from .metrics import Metrics
+from .security import Guard
 
 
 @attrs.define(eq=False)
@@ -30,6 +31,7 @@ class ServerState:
     scheduler: Scheduler | None = None
     supervisor: Supervisor | None = None
     identity: Identity | None = None  # set once the model is loaded
+    guard: Guard = attrs.Factory(lambda: Guard("127.0.0.1"))
     metrics: Metrics = attrs.field(
         init=False, default=attrs.Factory(lambda self: Metrics(self), takes_self=True)
     )
