@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-import tinytok
 from mashbox.text.chat_template import ChatTemplate, ChatTemplateError
+
+import tinytok
 
 # tokenizer.chat_template of SmolLM2-135M-Instruct, copied from its GGUF file.
 SMOLLM2_TEMPLATE = (

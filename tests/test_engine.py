@@ -13,6 +13,7 @@ from mashbox.engine.dequant import dequantize
 from mashbox.engine.engine import Engine
 from mashbox.engine.sampling import apply_penalties, sample, uniforms
 from mashbox.protocol import Admit, Decode, Prefill, SamplingParams, Step
+
 from tinymodels import random_weights, write_gguf
 
 VOCAB = 97

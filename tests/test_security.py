@@ -7,9 +7,10 @@ import json
 import httpx
 import pytest
 import trio
-from serverproc import ServerProcess
 
 from mashbox.server.security import Guard, read_key_file
+
+from serverproc import ServerProcess
 
 CHAT = "/v1/chat/completions"
 SMALL = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -67,8 +68,8 @@ def test_keys_are_required_on_v1_metrics_and_openapi(keyed):
         assert r.json()["error"]["type"] == "authentication_error"
     r = httpx.post(url + "/v1/messages", json=SMALL)
     assert r.status_code == 401
-    assert r.json() == {"type": "error", "error": {"type": "authentication_error",
-                                                   "message": r.json()["error"]["message"]}}  # fmt: skip
+    assert r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(url + "/health").status_code == 200  # local probes need no key
     assert httpx.get(url + "/").status_code == 200
     wrong = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k-alice-3"})

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-import tinytok
 from mashbox.text.tokenizer import Detokenizer, Tokenizer
+
+import tinytok
 
 try:
     from hypothesis import HealthCheck, given, settings

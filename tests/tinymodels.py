@@ -139,8 +139,9 @@ def write_hf_folder(folder: Path, weights: dict[str, np.ndarray], tok, *, n_head
     import torch
     from safetensors.torch import save_file
 
-    import tinytok
     from mashbox.engine.weights import _HF_GLOBAL_NAMES, _HF_LAYER_NAMES
+
+    import tinytok
 
     folder.mkdir(parents=True, exist_ok=True)
     reverse = {v: k for k, v in _HF_GLOBAL_NAMES.items()}
