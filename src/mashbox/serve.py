@@ -18,6 +18,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from . import registry
 from .scheduler import Scheduler
+from .server import contain
 from .server.app import ShieldFinalSend, create_app
 from .server.security import Guard, KeyFileError, read_key_file, tenant_of_unnamed
 from .server.state import ServerState, model_identity, weights_sha
@@ -103,6 +104,7 @@ async def serve(
     config.errorlog = logging.getLogger("hypercorn.error")
     config.keep_alive_timeout = opts.keep_alive
     config.graceful_timeout = 3
+    contain.install()
     app = ShieldFinalSend(create_app(state))
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"

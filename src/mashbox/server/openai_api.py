@@ -97,7 +97,7 @@ def chat_messages(body: Body) -> list[dict]:
         if not isinstance(m, dict):
             raise bad_request(f"{where} must be an object", "messages")
         role = m.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise bad_request(
                 f"{where}.role must be one of {', '.join(sorted(_ROLES))}", "messages"
             )
