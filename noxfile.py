@@ -1,4 +1,4 @@
-"""nox sessions: tests, lint, serve (fuzz and bench arrive with their issues)."""
+"""nox sessions: tests, lint, fuzz, serve, bench."""
 
 import nox
 
@@ -24,7 +24,15 @@ def tests(session):
 def lint(session):
     """ruff check and format check."""
     session.install("ruff")
-    session.run("ruff", "check", "src", "tests", "bench", "noxfile.py")
+    session.run("ruff", "check", "src", "tests", "fuzz", "bench", "noxfile.py")
+
+
+@nox.session
+def fuzz(session):
+    """The fuzzers in fuzz/ at full strength (the default test run does a short pass)."""
+    _install(session)
+    examples = session.env.get("MASHBOX_FUZZ_EXAMPLES", "200")
+    session.run("pytest", "fuzz", *session.posargs, env={"MASHBOX_FUZZ_EXAMPLES": examples})
 
 
 @nox.session
