@@ -76,7 +76,7 @@ def build_request(body: Body, state: ServerState, prompt_ids: list[int], tenant:
         raise bad_request(
             f"the prompt is {len(prompt_ids)} tokens; the context is {state.ctx} tokens "
             "(it must leave room for at least one new token)",
-            "messages" if "messages" in body.data else "prompt",
+            next((k for k in ("messages", "input", "prompt") if k in body.data), "messages"),
         )
     return Request(
         prompt_ids=tuple(prompt_ids),
