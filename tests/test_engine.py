@@ -141,6 +141,22 @@ def test_torch_dequantization_matches_gguf(qtype):
     np.testing.assert_array_equal(dequantize(raw, qt, (8, 64)).numpy(), expected)
 
 
+@pytest.mark.parametrize(("qtype", "block_bytes", "halves"), [("Q5_0", 22, 1), ("Q5_1", 24, 2)])
+def test_torch_q5_dequantization_matches_gguf(qtype, block_bytes, halves):
+    """Any bytes are a valid block once the f16 scale fields hold finite numbers."""
+    qt = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, size=(8, 2 * block_bytes), dtype=np.uint8)
+    for block in range(2):
+        for h in range(halves):
+            start = block * block_bytes + 2 * h
+            raw[:, start : start + 2] = (
+                rng.uniform(-0.1, 0.1, 8).astype(np.float16).view(np.uint8).reshape(8, 2)
+            )
+    expected = gguf.quants.dequantize(raw, qt)
+    np.testing.assert_array_equal(dequantize(raw, qt, (8, 64)).numpy(), expected)
+
+
 def test_uniforms_are_a_pure_function_of_seed_and_position():
     a = uniforms(123, 7, 1000, "cpu")
     assert torch.equal(a, uniforms(123, 7, 1000, "cpu"))
