@@ -15,7 +15,14 @@ import trio
 
 from ..scheduler import Failed, Finished, Restarted, TextDelta
 from ..text.chat_template import ChatTemplateError
-from ..text.parser import InvalidToolCall, OutputParser, Reasoning, ToolCall
+from ..text.parser import (
+    Content,
+    InvalidToolCall,
+    OutputParser,
+    Reasoning,
+    ToolCall,
+    call_from_json,
+)
 from .errors import bad_request
 from .state import ServerState
 
@@ -53,6 +60,7 @@ class ChatPrompt:
     in_reasoning: bool  # the prompt itself opened <think>
     tools_offered: bool  # tool-call markup is parsed as calls
     forced_prefix: str | None  # text the server put after the generation prompt
+    tool_names: frozenset[str] = frozenset()
 
     def parser(self) -> OutputParser:
         parser = OutputParser(
@@ -163,7 +171,8 @@ def render(
             prefix += json.dumps({"name": tool_choice.name})[:-1] + ', "arguments": '
         text += prefix
     in_reasoning = thinking and text.rstrip().endswith("<think>")
-    return ChatPrompt(text, thinking, in_reasoning, bool(tools), prefix)
+    names = frozenset((t.get("function") or {}).get("name") for t in tools or ())
+    return ChatPrompt(text, thinking, in_reasoning, bool(tools), prefix, names)
 
 
 @attrs.frozen
@@ -178,6 +187,7 @@ async def parsed(events, prompt: ChatPrompt, *, ping_every: float | None = None)
     long prefill, say): the receive is cancelled, never the generator itself.
     """
     parser = prompt.parser()
+    bare = _BareCalls(prompt.tool_names)
     while True:
         with trio.move_on_after(ping_every if ping_every else math.inf) as waited:
             try:
@@ -188,17 +198,73 @@ async def parsed(events, prompt: ChatPrompt, *, ping_every: float | None = None)
             yield Ping()
             continue
         if isinstance(event, TextDelta):
-            for item in parser.feed(event.text):
+            for item in bare.pass_through(parser.feed(event.text)):
                 yield item
         elif isinstance(event, Finished):
-            for item in parser.finish():
+            for item in bare.finish(parser.finish()):
                 yield item
             yield event
         elif isinstance(event, Restarted):
             parser = prompt.parser()
+            bare = _BareCalls(prompt.tool_names)
             yield event
         elif isinstance(event, Failed):
             yield event
+
+
+class _BareCalls:
+    """Read an answer that is only a call's bare JSON as that call.
+
+    Small models (qwen2.5-coder-0.5b, say) often answer a tool request with
+    `{"name": "get_weather", "arguments": {...}}` and no <tool_call> tags. When tools are
+    offered and the answer's content starts with "{" (or a ``` fence), the content is held
+    back to the end: one JSON object per line (fences allowed), each naming an offered
+    tool, becomes those calls; anything else is given out as the content it was.
+    """
+
+    def __init__(self, tool_names: frozenset[str]):
+        self.tool_names = tool_names
+        self.held: list[Content] | None = None  # None: not holding (yet)
+        self.decided = not tool_names  # the answer's start has been seen
+
+    def pass_through(self, events) -> list:
+        out = []
+        for event in events:
+            if self.held is not None:
+                if isinstance(event, Content):
+                    self.held.append(event)
+                    continue
+                out.extend(self._release())
+            elif not self.decided and isinstance(event, Content) and event.text.strip():
+                self.decided = True
+                if event.text.lstrip().startswith(("{", "```")):
+                    self.held = [event]
+                    continue
+            out.append(event)
+        return out
+
+    def finish(self, events) -> list:
+        out = self.pass_through(events)
+        if self.held is not None:
+            calls = self._calls("".join(e.text for e in self.held))
+            out.extend(calls if calls else self._release())
+            self.held = None
+        return out
+
+    def _release(self) -> list:
+        held, self.held = self.held or [], None
+        return held
+
+    def _calls(self, text: str) -> list[ToolCall]:
+        body = text.strip()
+        if body.startswith("```"):
+            body = body.strip("`").removeprefix("json").strip()
+        lines = [line for line in body.splitlines() if line.strip()]
+        for candidates in ([body], lines):
+            calls = [call_from_json(c) for c in candidates]
+            if calls and all(c is not None and c.name in self.tool_names for c in calls):
+                return calls
+        return []
 
 
 def finish_reason(done: Finished, called_tools: bool) -> str:

@@ -211,25 +211,32 @@ class OutputParser:
 
     def _tool_call(self, body: str) -> ToolCall | InvalidToolCall:
         """Parse a tool-call body (Hermes/Qwen JSON) into a ToolCall, or mark it invalid."""
-        invalid = InvalidToolCall(self._tool_open + body + self._tool_close)
+        call = call_from_json(body)
+        return (
+            call if call is not None else InvalidToolCall(self._tool_open + body + self._tool_close)
+        )
+
+
+def call_from_json(body: str) -> ToolCall | None:
+    """A Hermes/Qwen tool-call body, `{"name": ..., "arguments": {...}}`, as a ToolCall."""
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    args = call.get("arguments", call.get("parameters"))
+    if isinstance(args, str):
+        # Some models encode the arguments object as a JSON string.
         try:
-            call = json.loads(body)
+            args = json.loads(args) if args.strip() else {}
         except ValueError:
-            return invalid
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return invalid
-        args = call.get("arguments", call.get("parameters"))
-        if isinstance(args, str):
-            # Some models encode the arguments object as a JSON string.
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                return invalid
-        if args is None:
-            args = {}
-        if not isinstance(args, dict):
-            return invalid
-        return ToolCall(call["name"], json.dumps(args, ensure_ascii=False), body)
+            return None
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(call["name"], json.dumps(args, ensure_ascii=False), body)
 
 
 def _first_tag(buf: str, tags: tuple[str, ...]) -> tuple[int, str | None]:
