@@ -51,6 +51,13 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a streaming client may read nothing before it is dropped (default 30)",
     )
     run.add_argument(
+        "--cache-ram",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="host memory for saved prompt prefixes, LRU (default 0 = off)",
+    )
+    run.add_argument(
         "--api-key-file",
         type=Path,
         default=None,
@@ -68,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=120.0,
         help="seconds one engine step may take before the engine counts as hung (default 120)",
+    )
+    run.add_argument(
+        "--ui",
+        action="store_true",
+        help="serve the MASHBOX Chat page on / (health stays on /health and /v1/health)",
     )
     run.add_argument(
         "--keep-alive",
@@ -102,7 +114,9 @@ def main(argv=None) -> int:
             step_timeout=args.step_timeout,
             keep_alive=args.keep_alive,
             api_key_file=args.api_key_file,
+            cache_ram_mib=args.cache_ram,
             allowed_hosts=tuple(args.allowed_host),
+            ui=args.ui,
         )
         return run(args.model, opts)
     return 2

@@ -52,13 +52,34 @@ class Decode:
 
 
 @attrs.frozen
+class Save:
+    """Copy the KV of positions 0..n-1 of `slot` to host memory as prompt-cache `entry`."""
+
+    slot: int
+    entry: int
+    n: int
+
+
+@attrs.frozen
+class Restore:
+    """Copy the first `n` positions of prompt-cache `entry` back into `slot`."""
+
+    slot: int
+    entry: int
+    n: int
+
+
+@attrs.frozen
 class Step:
-    """One engine step: admissions, then prefill chunks, then one batched decode."""
+    """One engine step: cache moves, admissions, prefill chunks, then one batched decode."""
 
     index: int = 0  # the scheduler's step number (counts across worker restarts)
     admits: tuple[Admit, ...] = ()
     prefills: tuple[Prefill, ...] = ()
     decodes: tuple[Decode, ...] = ()
+    saves: tuple[Save, ...] = ()  # run first: a slot is saved before it is overwritten
+    restores: tuple[Restore, ...] = ()
+    drops: tuple[int, ...] = ()  # prompt-cache entries to forget
 
 
 @attrs.frozen
@@ -83,6 +104,7 @@ class EngineInfo:
     vocab_size: int
     max_context: int  # what the model was trained for
     ctx: int  # tokens per slot this engine runs
+    kv_bytes_per_token: int = 0  # K and V of one position, all layers
 
 
 @attrs.frozen

@@ -13,7 +13,8 @@ import time
 import attrs
 import trio
 
-from .protocol import Admit, Decode, Prefill, SamplingParams, Step
+from .prompt_cache import PromptCache
+from .protocol import Admit, Decode, Prefill, Restore, SamplingParams, Save, Step
 from .text.stops import StopMatcher
 from .text.tokenizer import Detokenizer, Tokenizer
 from .worker_client import WorkerError
@@ -193,9 +194,14 @@ class Scheduler:
         prefill_chunk: int = 256,
         stall_timeout: float = 30.0,
         observer: Observer | None = None,
+        prompt_cache: PromptCache | None = None,
     ):
         self.tokenizer = tokenizer
         self.observer = observer or Observer()
+        self.prompt_cache = prompt_cache or PromptCache(0, 0)
+        self._saves: list[Save] = []  # prompt-cache moves for the next step
+        self._restores: list[Restore] = []
+        self._drops: list[int] = []
         self.ctx = ctx
         self.prefill_chunk = prefill_chunk
         self.stall_timeout = stall_timeout
@@ -303,6 +309,8 @@ class Scheduler:
         """The engine lost every slot: run each request again once, unless its client has
         text already (streams) or it already had its second run."""
         again = []
+        self.prompt_cache.clear()  # the host copies lived in the engine process too
+        self._saves, self._restores, self._drops = [], [], []
         for slot in self.slots:
             slot.tokens.clear()  # a new engine process starts with empty caches
             seq = slot.seq
@@ -393,14 +401,39 @@ class Scheduler:
             prompt = seq.request.prompt_ids
             # Longest shared prefix first; among equals the least recently used slot.
             slot = max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
+            shared = common_prefix(slot.tokens, prompt)
+            if self.prompt_cache.enabled:
+                shared = self._swap_prefix(slot, prompt, shared)
             # At least one prompt token is always prefilled: its logits give the first token.
-            seq.cached = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)
+            seq.cached = min(shared, len(prompt) - 1)
             del slot.tokens[seq.cached :]
             seq.prefilled = seq.cached
             self.observer.admitted(len(prompt), seq.cached)
             self._uses += 1
             slot.seq, slot.last_used, seq.slot = seq, self._uses, slot
             seq.t_start = time.perf_counter()
+
+    def _swap_prefix(self, slot: Slot, prompt, shared: int) -> int:
+        """Save what the slot holds before it is overwritten, then bring back the saved
+        prefix that shares more of the prompt than the slot does; return the shared length."""
+        cache = self.prompt_cache
+        if shared < len(slot.tokens) and cache.worth_saving(slot.tokens):
+            entry, evicted = cache.add(slot.tokens)
+            self._saves.append(Save(slot.index, entry.id, len(slot.tokens)))
+            self._drops.extend(e.id for e in evicted)
+        entry, n = cache.best(prompt)
+        n = min(n, len(prompt) - 1)
+        if entry is None or n <= shared:
+            return shared
+        cache.touch(entry)
+        self._restores.append(Restore(slot.index, entry.id, n))
+        slot.tokens[:] = entry.tokens[:n]
+        return n
+
+    def cache_stats(self) -> tuple[int, int, int]:
+        """Host prompt cache: bytes held, cap, evictions."""
+        c = self.prompt_cache
+        return c.nbytes, c.cap_bytes, c.evictions
 
     def _plan(self) -> Step | None:
         admits, prefills, decodes = [], [], []
@@ -422,10 +455,12 @@ class Scheduler:
                 budget -= len(chunk)
                 last = seq.prefilled + len(chunk) == len(prompt)
                 prefills.append(Prefill(slot.index, seq.prefilled, chunk, last))
-        if not (admits or prefills or decodes):
+        moves = (tuple(self._saves), tuple(self._restores), tuple(self._drops))
+        if not (admits or prefills or decodes or any(moves)):
             return None
+        self._saves, self._restores, self._drops = [], [], []
         self._steps += 1
-        return Step(self._steps, tuple(admits), tuple(prefills), tuple(decodes))
+        return Step(self._steps, tuple(admits), tuple(prefills), tuple(decodes), *moves)
 
     def _apply(self, step: Step, tokens: dict[int, int]) -> None:
         now = time.perf_counter()

@@ -17,6 +17,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from . import registry
+from .prompt_cache import PromptCache
 from .scheduler import Scheduler
 from .server import contain
 from .server.app import ShieldFinalSend, create_app
@@ -47,7 +48,9 @@ class ServeOptions:
     step_timeout: float = 120.0
     keep_alive: float = 5.0
     api_key_file: Path | None = None
+    cache_ram_mib: int = 0
     allowed_hosts: tuple[str, ...] = ()
+    ui: bool = False  # the chat page on /
 
 
 def bind(host: str, port: int, stall_timeout: float) -> socket.socket:
@@ -105,7 +108,7 @@ async def serve(
     config.keep_alive_timeout = opts.keep_alive
     config.graceful_timeout = 3
     contain.install()
-    app = ShieldFinalSend(create_app(state))
+    app = ShieldFinalSend(create_app(state, ui=opts.ui))
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     stop_accepting = trio.Event()
@@ -116,6 +119,8 @@ async def serve(
                 partial(hypercorn_serve, app, config, shutdown_trigger=stop_accepting.wait)
             )
             log.info("listening on %s (loading %s)", url, ref.id)
+            if opts.ui:
+                log.info("chat page: %s/", url)
             await _load(state, ref, opts, nursery)
             log.info("point clients at %s/v1 (OpenAI) or %s (Anthropic)", url, url)
     finally:
@@ -153,6 +158,11 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
     state.ctx = info.ctx
     state.weights_name = path.name
     state.tokenizer, state.template = tokenizer, template
+    weights = weights_sha(path, ref.entry)
+    state.identity = model_identity(ref.id, weights, tokenizer, template, info, opts.slots)
+    cache = PromptCache(
+        opts.cache_ram_mib * 2**20, info.kv_bytes_per_token, state.identity.cache_namespace
+    )
     state.scheduler = Scheduler(
         tokenizer,
         supervisor,
@@ -161,9 +171,8 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
         prefill_chunk=opts.prefill_chunk,
         stall_timeout=opts.stall_timeout,
         observer=state.metrics,
+        prompt_cache=cache,
     )
-    weights = weights_sha(path, ref.entry)
-    state.identity = model_identity(ref.id, weights, tokenizer, template, info, opts.slots)
     nursery.start_soon(state.scheduler.run)
     log.info(
         "ready in %.1f s: %s (%s, %.0fM params, %s on %s), %d slots x %d tokens",

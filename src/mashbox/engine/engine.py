@@ -46,6 +46,7 @@ class Engine:
         self.ctx = ctx
         self.cache = KVCache(self.cfg, slots, ctx, self.device, self.dtype)
         self.slots: list[_SlotState | None] = [None] * slots
+        self.host_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # prompt cache
         self.info = EngineInfo(
             arch=self.cfg.arch,
             n_params=loaded.n_params,
@@ -57,12 +58,19 @@ class Engine:
             vocab_size=self.cfg.vocab_size,
             max_context=self.cfg.max_context,
             ctx=ctx,
+            kv_bytes_per_token=self.cache.bytes_per_token,
         )
 
     @torch.inference_mode()
     def step(self, step: Step) -> StepResult:
         """Admit, prefill each chunk, decode the batch; return one token per sampling slot."""
         t0 = time.perf_counter()
+        for save in step.saves:
+            self.host_cache[save.entry] = self.cache.copy_out(save.slot, save.n)
+        for entry in step.drops:
+            self.host_cache.pop(entry, None)
+        for restore in step.restores:
+            self.cache.copy_in(restore.slot, self.host_cache[restore.entry], restore.n)
         for admit in step.admits:
             self.slots[admit.slot] = _SlotState(admit, self.cfg.vocab_size, self.device)
         tokens: dict[int, int] = {}

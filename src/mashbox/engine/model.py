@@ -45,6 +45,22 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    @property
+    def bytes_per_token(self) -> int:
+        layers, _, heads, _, dim = self.k.shape
+        return 2 * layers * heads * dim * self.k.element_size()
+
+    def copy_out(self, slot: int, n: int) -> tuple[Tensor, Tensor]:
+        """The first n positions of a slot, copied to host memory."""
+        k, v = self.k[:, slot, :, :n], self.v[:, slot, :, :n]
+        return k.to("cpu", copy=True), v.to("cpu", copy=True)
+
+    def copy_in(self, slot: int, saved: tuple[Tensor, Tensor], n: int) -> None:
+        """Put the first n positions of a saved prefix back into a slot."""
+        k, v = saved
+        self.k[:, slot, :, :n].copy_(k[:, :, :n])
+        self.v[:, slot, :, :n].copy_(v[:, :, :n])
+
 
 class Model:
     """Weights as plain tensors and a forward pass over flat token batches."""

@@ -10,6 +10,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from . import anthropic_api, openai_api, openapi, responses_api
+from . import ui as chat_ui
 from .errors import ApiError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .state import ServerState
@@ -27,18 +28,20 @@ def _json(body, status: int = 200, headers=None) -> Response:
 
 
 def health_body(state: ServerState) -> dict:
-    """The `Health` document. Cache bytes are 0: there is no host-memory prompt cache yet."""
+    """The `Health` document."""
     stats = state.scheduler.stats() if state.scheduler else None
+    held, cap, evictions = state.scheduler.cache_stats() if state.scheduler else (0, 0, 0)
     ids = state.identity
     return {
         "status": "ok" if state.ready else "loading",
         "live_rows": stats.running if stats else None,
         "waiting": stats.waiting if stats else 0,
-        "cache_bytes": 0,
-        "host_cache_bytes": 0,
+        # Every saved prefix is one host copy; there are no separate snapshots.
+        "cache_bytes": held,
+        "host_cache_bytes": held,
         "snapshot_bytes": 0,
-        "host_cache_cap_bytes": 0,
-        "host_cache_evictions": 0,
+        "host_cache_cap_bytes": cap,
+        "host_cache_evictions": evictions,
         "cache_namespace": ids.cache_namespace if ids else None,
         "deployment_id": ids.deployment_id if ids else None,
         "component_set_sha": ids.component_set_sha if ids else None,
@@ -64,7 +67,7 @@ def model_card(state: ServerState) -> dict:
         "bpw": info.bits_per_weight if info else 0,
         "prefix_cache": True,
         "slots": state.slots,
-        "cache_ram_mib": 0,
+        "cache_ram_mib": state.scheduler.prompt_cache.cap_bytes // 2**20 if state.scheduler else 0,
     }
 
 
@@ -104,8 +107,8 @@ def _has_lone_surrogate(value) -> bool:
     return False
 
 
-def create_app(state: ServerState) -> QuartTrio:
-    """Build the Quart-Trio app over shared server state."""
+def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
+    """Build the Quart-Trio app over shared server state; with `ui`, / is the chat page."""
     app = QuartTrio("mashbox")
     app.config["RESPONSE_TIMEOUT"] = None  # quart's 60 s default would cut long streams
     app.config["BODY_TIMEOUT"] = 60
@@ -146,8 +149,13 @@ def create_app(state: ServerState) -> QuartTrio:
     async def health():
         return _json(health_body(state), 200 if state.ready else 503)
 
+    async def chat_page():
+        return Response(page.body, status=200, headers=page.headers)
+
+    page = chat_ui.load() if ui else None
     for path in ("/v1/health", "/health", "/"):
-        app.add_url_rule(path, f"health{path}", health, methods=["GET"])
+        view = chat_page if page is not None and path == "/" else health
+        app.add_url_rule(path, f"health{path}", view, methods=["GET"])
 
     @app.get("/metrics")
     async def metrics():

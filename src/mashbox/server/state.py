@@ -83,8 +83,9 @@ def model_identity(
             "chat_template": hashlib.sha256(template.source.encode()).hexdigest(),
         }
     )
-    # Prefix reuse is always on; no host-memory cache (cache_ram_mib 0) exists yet.
-    policy = {"prefix_reuse": True, "ctx": info.ctx, "cache_ram_mib": 0}
+    # What a saved prompt's KV means: exact token prefixes at this context and KV dtype.
+    # The host cache's size is not part of it (it changes what is kept, not what it means).
+    policy = {"prefix_reuse": True, "ctx": info.ctx, "kv_dtype": info.dtype}
     namespace = _sha({"model": model_id, "components": components, "cache": policy})
     deployment = _sha(
         {

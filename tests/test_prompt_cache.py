@@ -1,0 +1,130 @@
+"""The prompt cache: slot prefix reuse and the host-memory cache are exact, capped and LRU."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from mashbox.engine.engine import Engine
+from mashbox.prompt_cache import MIN_TOKENS, PromptCache
+from mashbox.protocol import Admit, Decode, Prefill, Restore, SamplingParams, Save, Step
+
+from serverproc import ServerProcess
+
+TOKENS = list(range(10, 10 + 2 * MIN_TOKENS))
+
+
+def test_lru_eviction_at_the_cap():
+    cache = PromptCache(cap_bytes=100 * 2 * MIN_TOKENS, bytes_per_token=100)  # two entries
+    a, _ = cache.add(TOKENS[:MIN_TOKENS])
+    b, _ = cache.add([1] * MIN_TOKENS)
+    cache.touch(a)  # a is now the most recently used
+    c, evicted = cache.add([2] * MIN_TOKENS)
+    assert [e.id for e in evicted] == [b.id] and cache.evictions == 1
+    assert set(cache.entries) == {a.id, c.id}
+    assert cache.nbytes == 2 * MIN_TOKENS * 100 <= cache.cap_bytes
+
+
+def test_a_longer_prefix_replaces_its_own_prefix_and_copies_count_once():
+    cache = PromptCache(cap_bytes=10**6, bytes_per_token=10)
+    short, _ = cache.add(TOKENS[:MIN_TOKENS])
+    assert not cache.worth_saving(TOKENS[:MIN_TOKENS])  # already saved
+    long, evicted = cache.add(TOKENS)
+    assert evicted == [short] and cache.evictions == 0  # redundant, not pushed out
+    assert cache.nbytes == len(TOKENS) * 10
+    assert cache.best(TOKENS[:40] + [0, 0]) == (long, 40)
+
+
+def test_namespaces_do_not_mix():
+    cache = PromptCache(cap_bytes=10**6, bytes_per_token=10, namespace="model-a")
+    cache.add(TOKENS)
+    assert cache.best(TOKENS)[1] == len(TOKENS)
+    assert cache.best(TOKENS, namespace="model-b") == (None, 0)
+
+
+def test_short_or_oversized_prefixes_are_not_saved():
+    cache = PromptCache(cap_bytes=10 * MIN_TOKENS, bytes_per_token=10)
+    assert not cache.worth_saving(TOKENS[: MIN_TOKENS - 1])
+    assert cache.worth_saving(TOKENS[:MIN_TOKENS])
+    assert not cache.worth_saving(TOKENS[: MIN_TOKENS + 1])  # bigger than the whole cap
+    assert not PromptCache(0, 10).worth_saving(TOKENS)
+
+
+def test_a_restored_prefix_decodes_like_a_fresh_prefill(tiny_llama):
+    engine = Engine(tiny_llama, slots=2, ctx=256)
+    prompt, greedy = tuple(range(5, 105)), SamplingParams()
+
+    def generate(slot: int, first: int, steps: int = 8) -> list[int]:
+        out = [first]
+        for i in range(steps):
+            res = engine.step(Step(decodes=(Decode(slot, out[-1], len(prompt) + i),)))
+            out.append(res.tokens[slot])
+        return out
+
+    first = engine.step(
+        Step(admits=(Admit(0, greedy, prompt),), prefills=(Prefill(0, 0, prompt, True),))
+    ).tokens[0]
+    fresh = generate(0, first)
+    # Save slot 0's prompt, overwrite slot 0, restore into slot 1, prefill only the last token.
+    engine.step(Step(saves=(Save(0, 7, len(prompt)),)))
+    engine.step(
+        Step(admits=(Admit(0, greedy, (3,) * 50),), prefills=(Prefill(0, 0, (3,) * 50, True),))
+    )
+    restored = engine.step(
+        Step(
+            restores=(Restore(1, 7, len(prompt) - 1),),
+            admits=(Admit(1, greedy, prompt),),
+            prefills=(Prefill(1, len(prompt) - 1, prompt[-1:], True),),
+        )
+    ).tokens[1]
+    assert generate(1, restored) == fresh
+    k, v = engine.host_cache[7]
+    assert k.shape == v.shape == (2, 2, len(prompt), 16)  # layers, kv heads, positions, dim
+    assert torch.equal(k[:, :, :-1], engine.cache.k[:, 1, :, : len(prompt) - 1])
+
+
+@pytest.fixture(scope="module")
+def cached_server(tiny_llama):
+    """One slot, so every other prompt evicts the slot's; 1 MiB of host cache."""
+    proc = ServerProcess(
+        str(tiny_llama), "--ctx", "2048", "--slots", "1", "--cache-ram", "1", "--threads", "1"
+    )
+    try:
+        proc.wait_ready(120)
+        yield proc
+    finally:
+        proc.stop()
+
+
+def complete(url: str, prompt: str, **extra) -> dict:
+    body = {"prompt": prompt, "max_tokens": 12, "ignore_eos": True, **extra}
+    return httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+
+
+def test_host_cache_restores_a_prompt_exactly(cached_server):
+    url = cached_server.url
+    a = "Paris is the capital of France. " * 30
+    b = "The sea is wide and the wind blows. " * 30
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
+        first = complete(url, a, **sampling)
+        complete(url, b, **sampling)  # takes the only slot: a's prefix goes to host memory
+        again = complete(url, a, **sampling)
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert again["timings"]["cache_n"] == again["usage"]["prompt_tokens"] - 1
+        assert again["timings"]["prompt_n"] == 1
+    health = httpx.get(url + "/health").json()
+    assert 0 < health["host_cache_bytes"] <= health["host_cache_cap_bytes"] == 2**20
+    assert health["cache_bytes"] == health["host_cache_bytes"]
+    assert httpx.get(url + "/v1/models").json()["data"][0]["cache_ram_mib"] == 1
+
+
+def test_host_cache_evicts_at_its_cap(cached_server):
+    url = cached_server.url
+    before = httpx.get(url + "/health").json()["host_cache_evictions"]
+    for word in ("alpha", "bravo", "charlie", "delta"):
+        r = complete(url, f"{word} is a word I say. " * 90, max_tokens=1)  # 1,300-1,500 tokens
+        assert r["usage"]["prompt_tokens"] * 512 > 2**19  # so two never fit in 1 MiB
+    health = httpx.get(url + "/health").json()
+    assert health["host_cache_evictions"] > before
+    assert health["host_cache_bytes"] <= health["host_cache_cap_bytes"]
