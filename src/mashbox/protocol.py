@@ -40,6 +40,7 @@ class Prefill:
     start: int
     token_ids: tuple[int, ...]
     sample: bool
+    pool: bool = False  # embeddings: add this chunk's final hidden states to the slot's sum
 
 
 @attrs.frozen
@@ -88,6 +89,8 @@ class StepResult:
 
     tokens: dict[int, int]
     elapsed_s: float
+    # Embeddings: slot -> the pooled vector, for slots whose last pooled chunk ran.
+    embeddings: dict[int, tuple[float, ...]] = attrs.Factory(dict)
 
 
 @attrs.frozen

@@ -14,7 +14,7 @@ import attrs
 import trio
 
 from .prompt_cache import PromptCache
-from .protocol import Admit, Decode, Prefill, Restore, SamplingParams, Save, Step
+from .protocol import Admit, Decode, Prefill, Restore, SamplingParams, Save, Step, StepResult
 from .text.stops import StopMatcher
 from .text.tokenizer import Detokenizer, Tokenizer
 from .worker_client import WorkerError
@@ -85,6 +85,13 @@ class Failed:
 
 
 @attrs.frozen
+class Embedding:
+    """An embedding request's vector (mean of the final hidden states, L2-normalized)."""
+
+    vector: tuple[float, ...]
+
+
+@attrs.frozen
 class Restarted:
     """The engine failed before anything reached the client: the answer starts again."""
 
@@ -100,6 +107,7 @@ class Request:
     tenant: str = ""
     ignore_eos: bool = False  # benchmarks: run to max_tokens whatever the model says
     stream: bool = False  # a stream that has sent text is never run again after a fault
+    embed: bool = False  # an embedding: prefill every token, pool, generate nothing
 
 
 @attrs.define(eq=False)
@@ -128,7 +136,7 @@ class Sequence:
 
     @property
     def decoding(self) -> bool:
-        return self.prefilled == len(self.request.prompt_ids)
+        return self.prefilled == len(self.request.prompt_ids) and not self.request.embed
 
 
 @attrs.define(eq=False)
@@ -283,7 +291,7 @@ class Scheduler:
                     continue
             if self._step_scope.cancelled_caught:
                 break
-            self._apply(step, result.tokens)
+            self._apply(step, result)
         self._fail_everyone(Failed("the server is shutting down", status=503))
 
     def close(self) -> None:
@@ -402,7 +410,9 @@ class Scheduler:
             # Longest shared prefix first; among equals the least recently used slot.
             slot = max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
             shared = common_prefix(slot.tokens, prompt)
-            if self.prompt_cache.enabled:
+            if seq.request.embed:
+                shared = 0  # pooling needs every position's hidden state: nothing is reused
+            elif self.prompt_cache.enabled:
                 shared = self._swap_prefix(slot, prompt, shared)
             # At least one prompt token is always prefilled: its logits give the first token.
             seq.cached = min(shared, len(prompt) - 1)
@@ -454,7 +464,7 @@ class Scheduler:
                 chunk = prompt[seq.prefilled : seq.prefilled + budget]
                 budget -= len(chunk)
                 last = seq.prefilled + len(chunk) == len(prompt)
-                prefills.append(Prefill(slot.index, seq.prefilled, chunk, last))
+                prefills.append(Prefill(slot.index, seq.prefilled, chunk, last, seq.request.embed))
         moves = (tuple(self._saves), tuple(self._restores), tuple(self._drops))
         if not (admits or prefills or decodes or any(moves)):
             return None
@@ -462,8 +472,9 @@ class Scheduler:
         self._steps += 1
         return Step(self._steps, tuple(admits), tuple(prefills), tuple(decodes), *moves)
 
-    def _apply(self, step: Step, tokens: dict[int, int]) -> None:
+    def _apply(self, step: Step, result: StepResult) -> None:
         now = time.perf_counter()
+        tokens = result.tokens
         prompt_tokens = generated = 0
         for p in step.prefills:
             slot = self.slots[p.slot]
@@ -471,7 +482,12 @@ class Scheduler:
                 continue
             slot.tokens.extend(p.token_ids)
             slot.seq.prefilled += len(p.token_ids)
-            if p.sample:
+            if p.pool and p.sample:
+                prompt_tokens += len(slot.seq.request.prompt_ids)
+                slot.seq.t_first = slot.seq.t_last = now
+                slot.seq.outbox.append(Embedding(result.embeddings[p.slot]))
+                self._finish(slot.seq, "stop", flush=False)
+            elif p.sample:
                 prompt_tokens += len(slot.seq.request.prompt_ids)
                 generated += 1
                 self._on_token(slot.seq, tokens[p.slot], now)

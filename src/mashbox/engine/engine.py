@@ -47,6 +47,7 @@ class Engine:
         self.cache = KVCache(self.cfg, slots, ctx, self.device, self.dtype)
         self.slots: list[_SlotState | None] = [None] * slots
         self.host_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # prompt cache
+        self.pooled: dict[int, torch.Tensor] = {}  # embeddings: hidden-state sums so far
         self.info = EngineInfo(
             arch=self.cfg.arch,
             n_params=loaded.n_params,
@@ -74,8 +75,18 @@ class Engine:
         for admit in step.admits:
             self.slots[admit.slot] = _SlotState(admit, self.cfg.vocab_size, self.device)
         tokens: dict[int, int] = {}
+        embeddings: dict[int, tuple[float, ...]] = {}
         for p in step.prefills:
             ids = torch.tensor(p.token_ids, dtype=torch.long, device=self.device)
+            if p.pool:
+                hidden = self.model.prefill(self.cache, p.slot, p.start, ids, all_rows=True)
+                if p.start == 0:
+                    self.pooled[p.slot] = torch.zeros(hidden.shape[1], dtype=torch.float64)
+                self.pooled[p.slot] += hidden.double().sum(0).cpu()
+                if p.sample:  # the input's last chunk: mean over positions, L2-normalized
+                    mean = self.pooled.pop(p.slot) / (p.start + len(p.token_ids))
+                    embeddings[p.slot] = tuple((mean / mean.norm().clamp_min(1e-12)).tolist())
+                continue
             hidden = self.model.prefill(self.cache, p.slot, p.start, ids)
             if p.sample:
                 position = p.start + len(p.token_ids)
@@ -89,7 +100,7 @@ class Engine:
                 tokens[d.slot] = self._sample(d.slot, logits[row], d.position + 1)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return StepResult(tokens=tokens, elapsed_s=time.perf_counter() - t0)
+        return StepResult(tokens, time.perf_counter() - t0, embeddings)
 
     def _sample(self, slot: int, logits: torch.Tensor, position: int) -> int:
         state = self.slots[slot]

@@ -135,8 +135,11 @@ class Model:
         """Project hidden states to float32 vocabulary logits."""
         return F.linear(hidden, self.lm_head).float()
 
-    def prefill(self, cache: KVCache, slot: int, start: int, token_ids: Tensor) -> Tensor:
-        """Write KV for a chunk of one slot at positions start..; return the last hidden state."""
+    def prefill(
+        self, cache: KVCache, slot: int, start: int, token_ids: Tensor, *, all_rows: bool = False
+    ) -> Tensor:
+        """Write KV for a chunk of one slot at positions start..; return the last hidden state
+        (or every row's, for pooling)."""
         n = token_ids.shape[0]
         end = start + n
         positions = torch.arange(start, end, device=self.device)
@@ -160,7 +163,8 @@ class Model:
             )
             return out[0].transpose(0, 1).reshape(n, -1)
 
-        return self.forward(token_ids, positions, attend)[-1]
+        hidden = self.forward(token_ids, positions, attend)
+        return hidden if all_rows else hidden[-1]
 
     def decode(self, cache: KVCache, slots: list[int], token_ids: Tensor, positions: Tensor):
         """Feed one token per slot (a batch); return hidden states [len(slots), d_model]."""

@@ -9,7 +9,8 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from . import anthropic_api, openai_api, openapi, responses_api
+from .. import __version__
+from . import anthropic_api, embeddings_api, openai_api, openapi, responses_api
 from . import ui as chat_ui
 from .errors import ApiError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -165,8 +166,25 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
     async def openapi_json():
         return _json(openapi.document(state.model_id))
 
+    app.add_url_rule("/v1/openapi.json", "v1_openapi_json", openapi_json, methods=["GET"])
+
     @app.get("/v1/models")
     async def list_models():
+        if "anthropic-version" in request.headers:  # the Anthropic model-list shape
+            entry = {
+                "type": "model",
+                "id": state.model_id,
+                "display_name": state.model_id,
+                "created_at": "1970-01-01T00:00:00Z",
+            }
+            return _json(
+                {
+                    "data": [entry],
+                    "has_more": False,
+                    "first_id": entry["id"],
+                    "last_id": entry["id"],
+                }
+            )
         return _json({"object": "list", "data": [model_card(state)]})
 
     @app.get("/v1/models/<path:model>")
@@ -191,6 +209,40 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
     async def responses():
         result = await responses_api.responses(state, await _json_body(), request.headers, g.tenant)
         return result if isinstance(result, Response) else _json(result)
+
+    @app.post("/v1/embeddings")
+    async def embeddings():
+        body = await _json_body()
+        return _json(await embeddings_api.embeddings(state, body, request.headers, g.tenant))
+
+    @app.get("/v1/capabilities")
+    async def capabilities():
+        """The routes this server registers, read from its own routing table."""
+        routes = sorted(
+            {
+                (method, rule.rule.replace("<path:", "{").replace("<", "{").replace(">", "}"))
+                for rule in app.url_map.iter_rules()
+                if rule.endpoint != "static"
+                for method in rule.methods
+                if method != "OPTIONS"
+            },
+            key=lambda r: (r[1], r[0]),
+        )
+        return _json(
+            {
+                "app": "mashbox",
+                "version": __version__,
+                "routes": [{"method": m, "path": p} for m, p in routes],
+            }
+        )
+
+    @app.get("/v1/status")
+    async def status():
+        # LocalEngine's enum names its own runtimes; mashbox reports itself ("mashbox").
+        body = {"runtime": "mashbox", "ready": state.ready, "local_api": "running"}
+        if state.model_id:
+            body["active_model"] = state.model_id
+        return _json(body)
 
     @app.post("/v1/messages")
     async def messages():

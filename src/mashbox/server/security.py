@@ -23,6 +23,8 @@ import attrs
 from .errors import ApiError
 
 OPEN_PATHS = frozenset({"/", "/health"})  # health for local probes: no key, no Host check
+# Seed 001 marks these `security: []`: they describe the server, never run the model.
+KEYLESS_PATHS = frozenset({"/v1/capabilities", "/v1/openapi.json"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
@@ -133,6 +135,7 @@ class Guard:
         if origin and not _same_origin(origin, host):
             raise ApiError(403, "requests from another origin are refused", type="forbidden")
         needs_key = path.startswith("/v1/") or path in ("/metrics", "/openapi.json")
+        needs_key = needs_key and path not in KEYLESS_PATHS
         if not (needs_key and self.keys_required):
             return ""
         tenant = self.tenant(headers)

@@ -1,0 +1,124 @@
+"""LocalEngine's surfaces (seed 001): capabilities, status, openapi, Anthropic model list,
+embeddings; each GET validated against the seed's schemas."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+import trio
+
+SEED = Path(__file__).resolve().parents[2] / "shared" / "seeds" / "001_b2eeb40abd5bde33.json"
+
+
+@pytest.fixture(scope="module")
+def seed_schemas():
+    if not SEED.exists():
+        pytest.skip("the seed documents are not beside this checkout")
+    return json.loads(SEED.read_text())["components"]["schemas"]
+
+
+def check(schema: dict, value) -> None:
+    jsonschema.validate(value, schema)
+
+
+def test_capabilities_come_from_the_routing_table(server, seed_schemas):
+    body = httpx.get(server.url + "/v1/capabilities").json()
+    check(seed_schemas["Capabilities"], body)
+    routes = {(r["method"], r["path"]) for r in body["routes"]}
+    doc = httpx.get(server.url + "/openapi.json").json()
+    documented = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}
+    assert documented <= routes
+    assert ("POST", "/v1/embeddings") in routes and ("GET", "/v1/capabilities") in routes
+
+
+def test_status_and_openapi(server, seed_schemas):
+    status = httpx.get(server.url + "/v1/status").json()
+    check(seed_schemas["Status"] | {"properties": {}}, status)
+    assert status == {"runtime": "mashbox", "ready": True, "local_api": "running",
+                      "active_model": "tiny-llama.gguf"}  # fmt: skip
+    doc = httpx.get(server.url + "/v1/openapi.json").json()
+    check(seed_schemas["RuntimeOpenAPI"], doc)
+    assert doc == httpx.get(server.url + "/openapi.json").json()
+
+
+def test_anthropic_model_list(server, seed_schemas):
+    body = httpx.get(server.url + "/v1/models", headers={"anthropic-version": "2023-06-01"}).json()
+    check(seed_schemas["AnthropicModelList"], body)
+    assert body["data"][0]["id"] == "tiny-llama.gguf" and body["has_more"] is False
+    client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny-llama.gguf"]
+    assert httpx.get(server.url + "/v1/models").json()["object"] == "list"
+
+
+def embed(url: str, inputs, **extra) -> httpx.Response:
+    return httpx.post(url + "/v1/embeddings", json={"input": inputs, **extra}, timeout=60)
+
+
+def test_embeddings_shape_norm_usage(server, seed_schemas):
+    r = embed(server.url, ["Paris is the capital of France.", "The sea is wide."])
+    assert r.status_code == 200, r.text
+    body = r.json()
+    check(seed_schemas["EmbeddingsResponse"], body)
+    assert [d["index"] for d in body["data"]] == [0, 1]
+    for d in body["data"]:
+        assert len(d["embedding"]) == 64  # the tiny model's width
+        assert math.isclose(math.sqrt(sum(x * x for x in d["embedding"])), 1.0, rel_tol=1e-6)
+    single = embed(server.url, "Paris is the capital of France.").json()
+    assert single["data"][0]["embedding"] == body["data"][0]["embedding"]
+    tokens = [
+        httpx.post(server.url + "/v1/completions", json={"prompt": t, "max_tokens": 1}).json()[
+            "usage"
+        ]["prompt_tokens"]
+        for t in ("Paris is the capital of France.", "The sea is wide.")
+    ]
+    assert body["usage"] == {"prompt_tokens": sum(tokens), "total_tokens": sum(tokens)}
+
+
+async def test_embeddings_do_not_depend_on_the_batch(server):
+    text = "A sentence to embed, alone or in company."
+    alone = embed(server.url, text).json()["data"][0]["embedding"]
+    results = []
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+
+        async def busy(i):
+            await http.post("/v1/completions", json={"prompt": f"noise {i}", "max_tokens": 30})
+
+        async def mine():
+            r = await http.post("/v1/embeddings", json={"input": [text, "other", text]})
+            results.append(r.json())
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(busy, i)
+            nursery.start_soon(mine)
+    data = results[0]["data"]
+    assert data[0]["embedding"] == alone == data[2]["embedding"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field"),
+    [
+        ({"input": "x", "model": "text-embedding-3-small"}, 404, "model"),
+        ({"input": [1, 2, 3]}, 400, "input"),
+        ({"input": [[1, 2]]}, 400, "input"),
+        ({"input": []}, 400, "input"),
+        ({"input": ""}, 200, None),  # the BOS token alone (this vocabulary adds one)
+        ({"input": "x", "dimensions": 8}, 400, "dimensions"),
+        ({"input": "x", "encoding_format": "base64"}, 400, "encoding_format"),
+        ({"input": "x", "encoding_format": "float"}, 200, None),
+    ],
+)
+def test_embedding_errors_name_the_field(server, body, status, field):
+    r = httpx.post(server.url + "/v1/embeddings", json=body)
+    assert r.status_code == status, r.text
+    if field:
+        error = r.json()["error"]
+        assert field in error["message"] or error.get("param") == field
+        if status == 404:
+            assert error["code"] == "model_not_found"
