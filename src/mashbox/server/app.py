@@ -10,13 +10,14 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from .. import __version__
-from . import anthropic_api, embeddings_api, openai_api, openapi, responses_api
+from . import anthropic_api, chat_ws, embeddings_api, openai_api, openapi, responses_api
 from . import ui as chat_ui
 from .errors import ApiError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .state import ServerState
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+WS_PATH = "/v1/chat/completions/ws"
 
 
 def _json(body, status: int = 200, headers=None) -> Response:
@@ -135,6 +136,10 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
         if exc.code == 405 and exc.valid_methods:
             headers["Allow"] = ", ".join(exc.valid_methods)
         error = ApiError(exc.code, exc.description, type=kind, headers=headers)
+        if request.path == WS_PATH and exc.code == 400:  # plain HTTP on the WebSocket route
+            error = ApiError(
+                426, "this route speaks WebSocket only", headers={"Upgrade": "websocket"}
+            )
         if _is_anthropic(request.path):
             error = error.for_anthropic()
         return _json(error.body(), error.status, error.headers)
@@ -214,6 +219,10 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
     async def embeddings():
         body = await _json_body()
         return _json(await embeddings_api.embeddings(state, body, request.headers, g.tenant))
+
+    @app.websocket(WS_PATH)
+    async def chat_websocket():
+        await chat_ws.serve(state)
 
     @app.get("/v1/capabilities")
     async def capabilities():

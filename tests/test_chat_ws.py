@@ -1,0 +1,116 @@
+"""The chat WebSocket with a real WebSocket client: streamed and not, two requests at once,
+cancellation on close, authentication at the handshake, foreign Origin refused."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from serverproc import ServerProcess
+
+REQUEST = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5}
+
+
+def ws_url(url: str) -> str:
+    return url.replace("http://", "ws://") + "/v1/chat/completions/ws"
+
+
+def test_whole_and_streamed_replies(server):
+    with connect(ws_url(server.url)) as ws:
+        ws.send(json.dumps(REQUEST))
+        whole = json.loads(ws.recv(timeout=60))
+        assert whole["object"] == "chat.completion"
+        ws.send(json.dumps({**REQUEST, "stream": True}))
+        frames = []
+        while (frame := ws.recv(timeout=60)) != "[DONE]":
+            frames.append(json.loads(frame))
+        assert all(f["object"] == "chat.completion.chunk" for f in frames)
+        text = "".join(
+            f["choices"][0]["delta"].get("content") or "" for f in frames if f["choices"]
+        )
+        assert text == whole["choices"][0]["message"]["content"]
+        ws.send("{not json")
+        assert "error" in json.loads(ws.recv(timeout=10))
+        ws.send(json.dumps({"messages": []}))
+        error = json.loads(ws.recv(timeout=10))
+        assert error["status"] == 400 and "messages" in error["error"]["message"]
+
+
+def test_two_requests_in_flight(server):
+    with connect(ws_url(server.url)) as ws:
+        ws.send(json.dumps({**REQUEST, "stream": True, "max_tokens": 20}))
+        ws.send(json.dumps(REQUEST))
+        ids, done = set(), 0
+        while done < 2:
+            frame = ws.recv(timeout=60)
+            if frame == "[DONE]":
+                done += 1
+                continue
+            body = json.loads(frame)
+            ids.add(body["id"])
+            if body["object"] == "chat.completion":
+                done += 1
+        assert len(ids) == 2
+
+
+def test_closing_the_socket_cancels_its_requests(tiny_llama):
+    proc = ServerProcess(str(tiny_llama), "--ctx", "2048", "--slots", "1",
+                         env={"MASHBOX_FAULTS": "slow=0.02"})  # fmt: skip
+    try:
+        url = proc.wait_ready(120)
+        with connect(ws_url(url)) as ws:
+            long = {**REQUEST, "stream": True, "max_tokens": 1500, "ignore_eos": True}
+            ws.send(json.dumps(long))
+            ws.recv(timeout=30)
+            assert httpx.get(url + "/health").json()["live_rows"] == 1
+        deadline = time.monotonic() + 2
+        while httpx.get(url + "/health").json()["live_rows"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert httpx.get(url + "/health").json()["live_rows"] == 0
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_llama):
+    proc = ServerProcess(str(tiny_llama), "--ctx", "256", env={"MASHBOX_API_KEY": "ws-key"})
+    try:
+        proc.wait_ready(120)
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_handshake_authentication(keyed_server):
+    url = ws_url(keyed_server.url)
+    with pytest.raises(InvalidStatus) as refused, connect(url):
+        pass
+    assert refused.value.response.status_code == 401
+    with connect(url + "?token=ws-key") as ws:
+        ws.send(json.dumps(REQUEST))
+        assert json.loads(ws.recv(timeout=60))["object"] == "chat.completion"
+    with connect(url, subprotocols=["bearer", "ws-key"]) as ws:
+        assert ws.subprotocol == "bearer"
+        ws.send(json.dumps(REQUEST))
+        assert json.loads(ws.recv(timeout=60))["object"] == "chat.completion"
+    # ?token= is for the WebSocket handshake only, never for ordinary HTTP requests.
+    assert httpx.get(keyed_server.url + "/v1/models?token=ws-key").status_code == 401
+
+
+def test_foreign_origin_is_refused(server):
+    with (
+        pytest.raises(InvalidStatus) as refused,
+        connect(ws_url(server.url), origin="http://evil.example"),
+    ):
+        pass
+    assert refused.value.response.status_code == 403
+
+
+def test_plain_http_on_the_websocket_route_is_426(server):
+    r = httpx.get(server.url + "/v1/chat/completions/ws")
+    assert r.status_code == 426 and r.headers["Upgrade"] == "websocket"
