@@ -13,3 +13,13 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 .venv/bin/python -m pip install --quiet -e '.[test]'
+# The browser tests (tests/test_ui.py) drive Debian's chromium through Playwright's Python
+# package; Playwright's own browser download is never used.
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "setup.sh: install Debian's chromium (apt-get install chromium) for tests/test_ui.py" >&2
+  fi
+fi

@@ -13,7 +13,7 @@ import time
 import attrs
 import trio
 
-from .prompt_cache import PromptCache
+from .prompt_cache import PromptCache, common_prefix
 from .protocol import Admit, Decode, Prefill, Restore, SamplingParams, Save, Step, StepResult
 from .text.stops import StopMatcher
 from .text.tokenizer import Detokenizer, Tokenizer
@@ -147,15 +147,6 @@ class Slot:
     tokens: list[int] = attrs.Factory(list)
     seq: Sequence | None = None
     last_used: int = 0
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @attrs.frozen

@@ -9,9 +9,9 @@ import time
 from ..scheduler import Failed, Finished, Restarted
 from . import chat
 from .chat import InvalidToolCall, Ping, Reasoning, ToolCall, ToolChoice
-from .errors import ApiError, bad_request, not_ready
+from .errors import bad_request, not_ready
 from .generation import build_request, log_request
-from .openai_api import event_stream, failure, submit
+from .openai_api import event_stream, logged_failure, submit
 from .state import ServerState
 from .validate import Body
 
@@ -224,6 +224,17 @@ def _tool_use(call: ToolCall) -> dict:
     }
 
 
+def _merge_text(blocks: list[dict]) -> list[dict]:
+    """Adjacent text blocks (content beside unparsed markup) are one block."""
+    out: list[dict] = []
+    for block in blocks:
+        if out and block["type"] == out[-1]["type"] == "text":
+            out[-1] = {"type": "text", "text": out[-1]["text"] + block["text"]}
+        else:
+            out.append(block)
+    return out
+
+
 def _sse(name: str, data: dict) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
@@ -243,34 +254,19 @@ async def messages(state: ServerState, data, headers, tenant: str = ""):
     route = "/v1/messages"
 
     if not request.stream:
-        blocks: list[dict] = []
         try:
-            async with events:
-                async for event in chat.parsed(events, prompt):
-                    if isinstance(event, Reasoning):
-                        if not blocks or blocks[-1]["type"] != "thinking":
-                            blocks.append(
-                                {"type": "thinking", "thinking": "", "signature": SIGNATURE}
-                            )
-                        blocks[-1]["thinking"] += event.text
-                    elif isinstance(event, ToolCall):
-                        blocks.append(_tool_use(event))
-                    elif isinstance(event, Restarted):
-                        blocks = []
-                    elif isinstance(event, Failed):
-                        log_request(route, event.status, None, session, t0)
-                        raise failure(event)
-                    elif isinstance(event, Finished):
-                        done = event
-                        break
-                    else:  # Content, or tool-call markup that did not parse
-                        if not blocks or blocks[-1]["type"] != "text":
-                            blocks.append({"type": "text", "text": ""})
-                        blocks[-1]["text"] += event.text
-                else:
-                    raise ApiError(500, "the request was dropped", type="server_error")
+            answer = await chat.collect(events, prompt, logged_failure(route, session, t0))
         finally:
             state.scheduler.cancel(seq)
+        done, blocks = answer.done, []
+        for event in answer.events:
+            if isinstance(event, Reasoning):
+                blocks.append({"type": "thinking", "thinking": event.text, "signature": SIGNATURE})
+            elif isinstance(event, ToolCall):
+                blocks.append(_tool_use(event))
+            else:  # Content, or tool-call markup that did not parse
+                blocks.append({"type": "text", "text": event.text})
+        blocks = _merge_text(blocks)
         called = any(b["type"] == "tool_use" for b in blocks)
         if called:  # whitespace around calls is not an answer
             blocks = [b for b in blocks if b["type"] != "text" or b["text"].strip()]

@@ -22,8 +22,9 @@ from ..text.parser import (
     Reasoning,
     ToolCall,
     call_from_json,
+    merge,
 )
-from .errors import bad_request
+from .errors import ApiError, bad_request
 from .state import ServerState
 
 # Qwen2.5's own words, for templates that know nothing of tools (Hermes-style tool calling).
@@ -265,6 +266,49 @@ class _BareCalls:
             if calls and all(c is not None and c.name in self.tool_names for c in calls):
                 return calls
         return []
+
+
+@attrs.frozen
+class Answer:
+    """A whole non-streamed answer: its parsed events in order, and how it ended."""
+
+    events: list  # Reasoning, Content, ToolCall, InvalidToolCall (merged where adjacent)
+    done: Finished
+
+    def text(self, kind=Content) -> str:
+        """The joined text of one kind (InvalidToolCall markup counts as content)."""
+        kinds = (Content, InvalidToolCall) if kind is Content else (kind,)
+        return "".join(e.text for e in self.events if isinstance(e, kinds))
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return [e for e in self.events if isinstance(e, ToolCall)]
+
+
+async def collect(events, prompt: ChatPrompt | None, failure) -> Answer:
+    """Read a non-streamed answer to its end; `failure(Failed)` builds the error to raise.
+
+    Without a prompt (text completions) the text is not parsed: it is all content.
+    """
+    items: list = []
+    source = chat_events(events) if prompt is None else parsed(events, prompt)
+    async with events:
+        async for event in source:
+            if isinstance(event, Finished):
+                return Answer(merge(items), event)
+            if isinstance(event, Failed):
+                raise failure(event)
+            if isinstance(event, Restarted):
+                items = []  # the engine failed before the client got anything: start again
+            else:
+                items.append(event)
+    raise ApiError(500, "the request was dropped before it finished", type="server_error")
+
+
+async def chat_events(events):
+    """Scheduler events with text as Content, unparsed (plain completions)."""
+    async for event in events:
+        yield Content(event.text) if isinstance(event, TextDelta) else event
 
 
 def finish_reason(done: Finished, called_tools: bool) -> str:

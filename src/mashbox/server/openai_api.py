@@ -11,7 +11,7 @@ from quart import Response
 
 from ..scheduler import Failed, Finished, NotReady, QueueFull, Request, Restarted, TextDelta
 from . import chat
-from .chat import InvalidToolCall, Reasoning, ToolCall, ToolChoice
+from .chat import Reasoning, ToolCall, ToolChoice
 from .errors import ApiError, bad_request, not_ready
 from .generation import build_request, check_model, log_request
 from .state import ServerState
@@ -30,6 +30,16 @@ def submit(state: ServerState, request: Request):
         code = "queue_full" if exc.whole_queue else "tenant_queue_full"
         headers = {"Retry-After": "1"}
         raise ApiError(429, str(exc), type="rate_limit_error", code=code, headers=headers) from None
+
+
+def logged_failure(route: str, session: str | None, t0: float):
+    """The error for a failed answer, after its log line."""
+
+    def fail(event: Failed) -> ApiError:
+        log_request(route, event.status, None, session, t0)
+        return failure(event)
+
+    return fail
 
 
 def failure(event: Failed) -> ApiError:
@@ -248,34 +258,15 @@ async def chat_completions(state: ServerState, data, headers, tenant: str = ""):
     route = "/v1/chat/completions"
 
     if not request.stream:
-        reasoning, content, calls = [], [], []
         try:
-            async with events:
-                async for event in chat.parsed(events, prompt):
-                    if isinstance(event, Reasoning):
-                        reasoning.append(event.text)
-                    elif isinstance(event, InvalidToolCall):
-                        content.append(event.text)
-                    elif isinstance(event, ToolCall):
-                        calls.append(_tool_call_dict(event))
-                    elif isinstance(event, Restarted):
-                        reasoning, content, calls = [], [], []
-                    elif isinstance(event, Failed):
-                        log_request(route, event.status, None, session, t0)
-                        raise failure(event)
-                    elif isinstance(event, Finished):
-                        done = event
-                        break
-                    else:
-                        content.append(event.text)
-                else:
-                    raise ApiError(500, "the request was dropped", type="server_error")
+            answer = await chat.collect(events, prompt, logged_failure(route, session, t0))
         finally:
             state.scheduler.cancel(seq)
-        text = "".join(content)
+        done, calls = answer.done, [_tool_call_dict(c) for c in answer.calls]
+        text = answer.text()
         message = {"role": "assistant", "content": text if text.strip() or not calls else None}
-        if reasoning:
-            message["reasoning_content"] = "".join(reasoning)
+        if reasoning := answer.text(Reasoning):
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
         log_request(route, 200, done, session, t0)
@@ -378,28 +369,15 @@ async def completions(state: ServerState, data, headers, tenant: str = ""):
     route = "/v1/completions"
 
     if not request.stream:
-        parts = []
         try:
-            async with events:
-                async for event in events:
-                    if isinstance(event, TextDelta):
-                        parts.append(event.text)
-                    elif isinstance(event, Restarted):
-                        parts.clear()
-                    elif isinstance(event, Failed):
-                        log_request(route, event.status, None, session, t0)
-                        raise failure(event)
-                    elif isinstance(event, Finished):
-                        done = event
-                        break
-                else:
-                    raise ApiError(500, "the request was dropped", type="server_error")
+            answer = await chat.collect(events, None, logged_failure(route, session, t0))
         finally:
             state.scheduler.cancel(seq)
+        done = answer.done
         log_request(route, 200, done, session, t0)
         return {
             **base,
-            "choices": [{"index": 0, "text": "".join(parts), "finish_reason": done.reason}],
+            "choices": [{"index": 0, "text": answer.text(), "finish_reason": done.reason}],
             "usage": usage_dict(done.usage, details=False),
             "timings": attrs.asdict(done.timings),
         }

@@ -9,9 +9,9 @@ import time
 from ..scheduler import Failed, Finished, Restarted
 from . import chat
 from .chat import InvalidToolCall, Reasoning, ToolCall, ToolChoice
-from .errors import ApiError, bad_request, not_ready
+from .errors import bad_request, not_ready
 from .generation import build_request, check_model, log_request
-from .openai_api import event_stream, failure, message_text, submit
+from .openai_api import event_stream, logged_failure, message_text, submit
 from .state import ServerState
 from .validate import Body
 
@@ -296,37 +296,20 @@ async def responses(state: ServerState, data, headers, tenant: str = ""):
         return response
 
     if not request.stream:
-        reasoning, content, calls = [], [], []
         try:
-            async with events:
-                async for event in chat.parsed(events, prompt):
-                    if isinstance(event, Reasoning):
-                        reasoning.append(event.text)
-                    elif isinstance(event, ToolCall):
-                        calls.append(toolbox.item(event))
-                    elif isinstance(event, Restarted):
-                        reasoning, content, calls = [], [], []
-                    elif isinstance(event, Failed):
-                        log_request(route, event.status, None, session, t0)
-                        raise failure(event)
-                    elif isinstance(event, Finished):
-                        done = event
-                        break
-                    else:
-                        content.append(event.text)
-                else:
-                    raise ApiError(500, "the request was dropped", type="server_error")
+            answer = await chat.collect(events, prompt, logged_failure(route, session, t0))
         finally:
             state.scheduler.cancel(seq)
+        done, calls = answer.done, [toolbox.item(c) for c in answer.calls]
+        reasoning, text = answer.text(Reasoning), answer.text()
         output = []
         if reasoning:
-            output.append(_reasoning_item(_id("rs"), "".join(reasoning)))
-        text = "".join(content)
+            output.append(_reasoning_item(_id("rs"), reasoning))
         if text.strip() or not calls:
             output.append(_message_item(_id("msg"), text))
         output.extend(calls)
         log_request(route, 200, done, session, t0)
-        return finished(done, output, "".join(reasoning))
+        return finished(done, output, reasoning)
 
     async def stream():
         number = 0
