@@ -8,7 +8,7 @@ import time
 
 from ..scheduler import Failed, Finished, Restarted
 from . import chat
-from .chat import InvalidToolCall, Ping, Reasoning, ToolCall, ToolChoice
+from .chat import Ping, Reasoning, ToolCall, ToolChoice
 from .errors import bad_request, not_ready
 from .generation import build_request, log_request
 from .openai_api import event_stream, logged_failure, submit
@@ -382,6 +382,3 @@ async def messages(state: ServerState, data, headers, tenant: str = ""):
             state.scheduler.cancel(seq)
 
     return event_stream(stream())
-
-
-__all__ = ["InvalidToolCall", "count_tokens", "messages"]

@@ -19,7 +19,6 @@ from ..text.parser import (
     Content,
     InvalidToolCall,
     OutputParser,
-    Reasoning,
     ToolCall,
     call_from_json,
     merge,
@@ -314,14 +313,3 @@ async def chat_events(events):
 def finish_reason(done: Finished, called_tools: bool) -> str:
     """stop, length, or tool_calls when the answer ended after calling tools."""
     return "tool_calls" if called_tools and done.reason == "stop" else done.reason
-
-
-__all__ = [
-    "ChatPrompt",
-    "InvalidToolCall",
-    "Ping",
-    "Reasoning",
-    "ToolCall",
-    "ToolChoice",
-    "parsed",
-]

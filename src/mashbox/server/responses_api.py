@@ -8,7 +8,7 @@ import time
 
 from ..scheduler import Failed, Finished, Restarted
 from . import chat
-from .chat import InvalidToolCall, Reasoning, ToolCall, ToolChoice
+from .chat import Reasoning, ToolCall, ToolChoice
 from .errors import bad_request, not_ready
 from .generation import build_request, check_model, log_request
 from .openai_api import event_stream, logged_failure, message_text, submit
@@ -457,6 +457,3 @@ def _reasoning_item(item_id: str, text: str) -> dict:
         "summary": [],
         "content": [{"type": "reasoning_text", "text": text}],
     }
-
-
-__all__ = ["InvalidToolCall", "responses"]
