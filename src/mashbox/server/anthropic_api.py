@@ -7,8 +7,9 @@ import secrets
 import time
 
 from ..scheduler import Failed, Finished, Restarted
+from ..text.parser import Reasoning, ToolCall
 from . import chat
-from .chat import Ping, Reasoning, ToolCall, ToolChoice
+from .chat import Ping, ToolChoice
 from .errors import bad_request, not_ready
 from .generation import build_request, log_request
 from .openai_api import event_stream, logged_failure, submit

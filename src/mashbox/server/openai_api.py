@@ -10,8 +10,9 @@ import attrs
 from quart import Response
 
 from ..scheduler import Failed, Finished, NotReady, QueueFull, Request, Restarted, TextDelta
+from ..text.parser import Reasoning, ToolCall
 from . import chat
-from .chat import Reasoning, ToolCall, ToolChoice
+from .chat import ToolChoice
 from .errors import ApiError, bad_request, not_ready
 from .generation import build_request, check_model, log_request
 from .state import ServerState

@@ -7,8 +7,9 @@ import secrets
 import time
 
 from ..scheduler import Failed, Finished, Restarted
+from ..text.parser import Reasoning, ToolCall
 from . import chat
-from .chat import Reasoning, ToolCall, ToolChoice
+from .chat import ToolChoice
 from .errors import bad_request, not_ready
 from .generation import build_request, check_model, log_request
 from .openai_api import event_stream, logged_failure, message_text, submit
