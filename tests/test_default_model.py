@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -36,3 +37,18 @@ def test_text_completion(client):
         model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=5
     )
     assert "Paris" in r.choices[0].text
+
+
+def test_embeddings_place_a_paraphrase_nearer_than_an_unrelated_sentence(default_server):
+    texts = [
+        "The cat is sleeping on the sofa.",
+        "A cat naps on the couch.",
+        "Interest rates rose sharply in the third quarter.",
+    ]
+    r = httpx.post(default_server.url + "/v1/embeddings", json={"input": texts}, timeout=120)
+    a, b, c = (d["embedding"] for d in r.json()["data"])
+
+    def cos(x, y):
+        return sum(p * q for p, q in zip(x, y, strict=True))  # unit vectors
+
+    assert cos(a, b) > cos(a, c)
