@@ -72,8 +72,8 @@ def test_garbage_requests(fuzz_server):
             sock.settimeout(10)
             while sock.recv(65536):
                 pass  # whatever it answers, it must end the exchange
-        except (ConnectionResetError, BrokenPipeError):
-            pass
+        except OSError:
+            pass  # the server may close first (reset, broken pipe, not connected): fine
         finally:
             sock.close()
         assert _healthy(url), payload[:80]
