@@ -255,10 +255,8 @@ async def messages(state: ServerState, data, headers, tenant: str = ""):
     route = "/v1/messages"
 
     if not request.stream:
-        try:
-            answer = await chat.collect(events, prompt, logged_failure(route, session, t0))
-        finally:
-            state.scheduler.cancel(seq)
+        fail = logged_failure(route, session, t0)
+        answer = await chat.collect(state, seq, events, prompt, fail)
         done, blocks = answer.done, []
         for event in answer.events:
             if isinstance(event, Reasoning):

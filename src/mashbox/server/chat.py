@@ -284,23 +284,27 @@ class Answer:
         return [e for e in self.events if isinstance(e, ToolCall)]
 
 
-async def collect(events, prompt: ChatPrompt | None, failure) -> Answer:
+async def collect(state: ServerState, seq, events, prompt: ChatPrompt | None, failure) -> Answer:
     """Read a non-streamed answer to its end; `failure(Failed)` builds the error to raise.
+    The request is released from the scheduler however this ends (a disconnect included).
 
     Without a prompt (text completions) the text is not parsed: it is all content.
     """
     items: list = []
     source = chat_events(events) if prompt is None else parsed(events, prompt)
-    async with events:
-        async for event in source:
-            if isinstance(event, Finished):
-                return Answer(merge(items), event)
-            if isinstance(event, Failed):
-                raise failure(event)
-            if isinstance(event, Restarted):
-                items = []  # the engine failed before the client got anything: start again
-            else:
-                items.append(event)
+    try:
+        async with events:
+            async for event in source:
+                if isinstance(event, Finished):
+                    return Answer(merge(items), event)
+                if isinstance(event, Failed):
+                    raise failure(event)
+                if isinstance(event, Restarted):
+                    items = []  # the engine failed before the client got anything: again
+                else:
+                    items.append(event)
+    finally:
+        state.scheduler.cancel(seq)
     raise ApiError(500, "the request was dropped before it finished", type="server_error")
 
 

@@ -259,10 +259,8 @@ async def chat_completions(state: ServerState, data, headers, tenant: str = ""):
     route = "/v1/chat/completions"
 
     if not request.stream:
-        try:
-            answer = await chat.collect(events, prompt, logged_failure(route, session, t0))
-        finally:
-            state.scheduler.cancel(seq)
+        fail = logged_failure(route, session, t0)
+        answer = await chat.collect(state, seq, events, prompt, fail)
         done, calls = answer.done, [_tool_call_dict(c) for c in answer.calls]
         text = answer.text()
         message = {"role": "assistant", "content": text if text.strip() or not calls else None}
@@ -370,10 +368,8 @@ async def completions(state: ServerState, data, headers, tenant: str = ""):
     route = "/v1/completions"
 
     if not request.stream:
-        try:
-            answer = await chat.collect(events, None, logged_failure(route, session, t0))
-        finally:
-            state.scheduler.cancel(seq)
+        fail = logged_failure(route, session, t0)
+        answer = await chat.collect(state, seq, events, None, fail)
         done = answer.done
         log_request(route, 200, done, session, t0)
         return {

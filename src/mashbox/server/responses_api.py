@@ -297,10 +297,8 @@ async def responses(state: ServerState, data, headers, tenant: str = ""):
         return response
 
     if not request.stream:
-        try:
-            answer = await chat.collect(events, prompt, logged_failure(route, session, t0))
-        finally:
-            state.scheduler.cancel(seq)
+        fail = logged_failure(route, session, t0)
+        answer = await chat.collect(state, seq, events, prompt, fail)
         done, calls = answer.done, [toolbox.item(c) for c in answer.calls]
         reasoning, text = answer.text(Reasoning), answer.text()
         output = []
