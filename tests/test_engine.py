@@ -191,3 +191,24 @@ def test_penalties():
     pres = apply_penalties(logits, SamplingParams(presence_penalty=0.5), prompt, counts)
     assert pres.tolist() == [2.0, -1.0, 0.0, 0.0]
     assert torch.equal(apply_penalties(logits, SamplingParams(), prompt, counts), logits)
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny_llama"])
+def test_lean_gguf_reader_matches_gguf(tiny, tiny_llama, which):
+    """tiny_llama carries a tokenizer: string and number arrays to skip."""
+    from gguf import GGUFReader
+
+    from mashbox.engine import gguf_file
+
+    path = tiny[2] if which == "tiny" else tiny_llama
+    fields, tensors = gguf_file.read(path)
+    reader = GGUFReader(path)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or len(field.types) > 1 or field.types[0].name == "ARRAY":
+            continue
+        assert fields[key] == field.contents(), key
+    assert [t.name for t in tensors] == [t.name for t in reader.tensors]
+    for mine, theirs in zip(tensors, reader.tensors, strict=True):
+        assert mine.shape == tuple(int(d) for d in reversed(theirs.shape.tolist()))
+        assert mine.qtype == theirs.tensor_type
+        assert mine.data.tobytes() == np.asarray(theirs.data).tobytes()

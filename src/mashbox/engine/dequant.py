@@ -57,10 +57,13 @@ _TORCH = {
 def dequantize(data: np.ndarray, qtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor's raw GGUF data as a float32 torch tensor of `shape` (a private copy)."""
     if qtype in (Q.F32, Q.F16, Q.BF16):
+        # Raw file bytes or typed arrays alike: view them as the stored float type.
         if qtype == Q.BF16:
             raw = torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
         else:
-            raw = torch.from_numpy(np.array(data))
+            raw = torch.from_numpy(
+                np.array(data).view(np.float32 if qtype == Q.F32 else np.float16)
+            )
         return raw.float().reshape(shape)
     if qtype in _TORCH:
         block_bytes, fn = _TORCH[qtype]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import attrs
 import torch
-from gguf import GGUFReader
 
+from . import gguf_file
 from .config import ModelConfig, from_gguf_fields, from_hf_config
 from .dequant import dequantize
 
@@ -39,19 +39,6 @@ def load(path: Path) -> LoadedWeights:
     return load_hf_folder(path) if path.is_dir() else load_gguf(path)
 
 
-def gguf_fields(reader: GGUFReader) -> dict:
-    """Decode every scalar/string GGUF metadata field (arrays are skipped: they are huge)."""
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key != "tokenizer.ggml.model":
-            continue
-        try:
-            out[key] = field.contents()
-        except Exception:  # an exotic field type: the model does not need it
-            continue
-    return out
-
-
 def unpermute_rope_rows(w, n_heads: int):
     """Undo llama.cpp's Q/K row permutation (interleaved RoPE) back to HF's rotate-half order."""
     rows = w.shape[0]
@@ -68,13 +55,11 @@ def permute_rope_rows(w, n_heads: int):
 
 def load_gguf(path: Path) -> LoadedWeights:
     """Dequantize every tensor of a GGUF file to float32."""
-    reader = GGUFReader(path)
-    fields = gguf_fields(reader)
+    fields, infos = gguf_file.read(path)
     tensors = {}
     n_params = 0
-    for t in reader.tensors:
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        tensors[t.name] = dequantize(t.data, t.tensor_type, shape)
+    for t in infos:
+        tensors[t.name] = dequantize(t.data, t.qtype, t.shape)
         n_params += tensors[t.name].numel()
     vocab_size = tensors["token_embd.weight"].shape[0]
     config = from_gguf_fields(
