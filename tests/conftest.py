@@ -26,6 +26,14 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def trained_model(tmp_path_factory) -> Path:
+    """The tiny model trained to think and call get_weather (tests/trained.py), built once."""
+    import trained
+
+    return trained.build_trained_model(tmp_path_factory.mktemp("trained"))
+
+
+@pytest.fixture(scope="session")
 def server(tiny_llama, tmp_path_factory):
     """A real `mashbox run` on the tiny Llama: 4 slots of 1024 tokens."""
     proc = ServerProcess(

@@ -168,7 +168,8 @@ def render(
     if forced:
         prefix = "<tool_call>\n"
         if tool_choice.name is not None:
-            prefix += json.dumps({"name": tool_choice.name})[:-1] + ', "arguments": '
+            # No space after the colon: the model writes ' {' as one token (token healing).
+            prefix += json.dumps({"name": tool_choice.name})[:-1] + ', "arguments":'
         text += prefix
     in_reasoning = thinking and text.rstrip().endswith("<think>")
     names = frozenset((t.get("function") or {}).get("name") for t in tools or ())

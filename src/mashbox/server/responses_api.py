@@ -85,8 +85,11 @@ class Toolbox:
         self.kinds[name] = ("custom", None, name)
 
     def item(self, call: ToolCall) -> dict:
-        """The output item for a model's call."""
-        kind, ns, name = self.kinds.get(call.name, ("function", None, call.name))
+        """The output item for a model's call (a bare name that one namespace alone offers
+        is that namespace's function: small models drop the prefix)."""
+        bare = [k for k in self.kinds.values() if k[1] and k[2] == call.name]
+        default = bare[0] if len(bare) == 1 else ("function", None, call.name)
+        kind, ns, name = self.kinds.get(call.name, default)
         if kind == "custom":
             arguments = json.loads(call.arguments)
             raw = arguments.get("input") if isinstance(arguments.get("input"), str) else None

@@ -1,0 +1,210 @@
+"""Tool calls and thinking end to end through the real engine, on every chat protocol.
+
+The model is trained in the test run (tests/trained.py) to answer a weather question with
+`<think>...</think><tool_call>{...}</tool_call>`, a tool result with a sentence, anything
+else with a greeting; so the real sampling, detokenizing and parsing path produces them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pytest
+
+import trained
+from serverproc import ServerProcess
+
+WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris today?"}]
+TOOLS = [trained.WEATHER_TOOL]
+THOUGHT = "The user wants the weather."
+CITY = {"city": "Paris"}
+
+
+@pytest.fixture(scope="module")
+def url(trained_model):
+    proc = ServerProcess(str(trained_model), "--ctx", "1024", "--slots", "2", "--threads", "1")
+    try:
+        yield proc.wait_ready(120)
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def oai(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture
+def claude(url):
+    return anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+
+
+def thinking(on: bool) -> dict:
+    return {"chat_template_kwargs": {"enable_thinking": on}}
+
+
+# --- OpenAI chat ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("think", [True, False])
+def test_chat_tool_call_with_and_without_thinking(oai, think):
+    r = oai.chat.completions.create(
+        model="trained.gguf", messages=WEATHER_Q, tools=TOOLS, max_tokens=80,
+        extra_body=thinking(think),
+    )  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == CITY
+    reasoning = choice.message.model_extra.get("reasoning_content")
+    assert reasoning == (THOUGHT if think else None)
+
+
+def test_chat_stream_carries_reasoning_and_whole_tool_calls(oai):
+    stream = oai.chat.completions.create(
+        model="trained.gguf", messages=WEATHER_Q, tools=TOOLS, max_tokens=80, stream=True,
+        extra_body=thinking(True),
+    )  # fmt: skip
+    reasoning, content, calls, finish = [], [], [], None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        reasoning.append(delta.model_extra.get("reasoning_content") or "")
+        content.append(delta.content or "")
+        calls.extend(delta.tool_calls or [])
+        finish = chunk.choices[0].finish_reason or finish
+    assert "".join(reasoning) == THOUGHT
+    assert "".join(content) == ""  # no markup ever leaks into content
+    (call,) = calls
+    assert call.index == 0 and call.id.startswith("call_") and call.type == "function"
+    assert json.loads(call.function.arguments) == CITY
+    assert finish == "tool_calls"
+
+
+def test_chat_tool_result_then_answer(oai):
+    history = [
+        *WEATHER_Q,
+        {"role": "assistant", "content": None, "reasoning_content": THOUGHT,
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {
+             "name": "get_weather", "arguments": json.dumps(CITY)}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"},
+    ]  # fmt: skip
+    r = oai.chat.completions.create(
+        model="trained.gguf", messages=history, tools=TOOLS, max_tokens=40
+    )
+    assert r.choices[0].message.content == trained.SUNNY
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_chat_greeting_with_thinking(oai):
+    r = oai.chat.completions.create(
+        model="trained.gguf", messages=[{"role": "user", "content": "Good evening!"}],
+        max_tokens=60, extra_body=thinking(True),
+    )  # fmt: skip
+    assert r.choices[0].message.content == trained.GREETING
+    assert r.choices[0].message.model_extra["reasoning_content"] == "A greeting."
+
+
+def test_tool_choice_none_and_named(oai):
+    none = oai.chat.completions.create(
+        model="trained.gguf", messages=WEATHER_Q, tools=TOOLS, tool_choice="none", max_tokens=80
+    )
+    assert none.choices[0].message.tool_calls is None
+    assert none.choices[0].finish_reason == "stop"
+    named = oai.chat.completions.create(
+        model="trained.gguf", messages=WEATHER_Q, tools=TOOLS, max_tokens=80,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == CITY
+
+
+# --- Anthropic -----------------------------------------------------------------------------
+
+CLAUDE_TOOLS = [{"name": "get_weather", "description": "Weather in a city",
+                 "input_schema": trained.WEATHER_TOOL["function"]["parameters"]}]  # fmt: skip
+
+
+def test_messages_thinking_and_tool_use(claude):
+    kwargs = dict(
+        model="any", max_tokens=80, tools=CLAUDE_TOOLS, messages=WEATHER_Q,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )  # fmt: skip
+    m = claude.messages.create(**kwargs)
+    assert [b.type for b in m.content] == ["thinking", "tool_use"]
+    assert m.content[0].thinking == THOUGHT and m.content[0].signature == "mashbox-local"
+    assert m.content[1].name == "get_weather" and m.content[1].input == CITY
+    assert m.stop_reason == "tool_use"
+    with claude.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "tool_use"]
+    assert final.content[0].thinking == THOUGHT and final.content[1].input == CITY
+    # tool_use -> tool_result -> answer
+    follow = claude.messages.create(
+        model="any", max_tokens=40, tools=CLAUDE_TOOLS,
+        messages=[*WEATHER_Q, {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+                  {"role": "user", "content": [{"type": "tool_result",
+                                                "tool_use_id": m.content[1].id,
+                                                "content": "sunny"}]}],
+    )  # fmt: skip
+    assert [b.type for b in follow.content] == ["text"]
+    assert follow.content[0].text == trained.SUNNY and follow.stop_reason == "end_turn"
+
+
+# --- OpenAI Responses ----------------------------------------------------------------------
+
+RESPONSE_TOOLS = [{"type": "function", "name": "get_weather",
+                   "parameters": trained.WEATHER_TOOL["function"]["parameters"]}]  # fmt: skip
+
+
+def test_responses_reasoning_and_function_call(oai):
+    r = oai.responses.create(
+        model="trained.gguf", input="What is the weather in Paris today?",
+        tools=RESPONSE_TOOLS, reasoning={"effort": "medium"}, max_output_tokens=80,
+    )  # fmt: skip
+    assert [item.type for item in r.output] == ["reasoning", "function_call"]
+    assert r.output[0].content[0].text == THOUGHT and r.output[0].summary == []
+    call = r.output[1]
+    assert call.name == "get_weather" and json.loads(call.arguments) == CITY
+    assert r.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(oai.responses.create(
+        model="trained.gguf", input="What is the weather in Paris today?", stream=True,
+        tools=RESPONSE_TOOLS, reasoning={"effort": "medium"}, max_output_tokens=80,
+    ))  # fmt: skip
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert "response.reasoning_text.delta" in kinds
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    follow = oai.responses.create(
+        model="trained.gguf", tools=RESPONSE_TOOLS, max_output_tokens=40,
+        input=[{"type": "message", "role": "user", "content": WEATHER_Q[0]["content"]},
+               {"type": "function_call", "call_id": call.call_id, "name": "get_weather",
+                "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+    )  # fmt: skip
+    assert follow.output_text == trained.SUNNY
+
+
+def test_responses_custom_and_namespace_tools(oai):
+    """A custom tool's call comes back with its raw input; a namespace tool's function comes
+    back with its namespace (the model writes the bare name, as small models do)."""
+    custom = oai.responses.create(
+        model="trained.gguf", input="What is the weather in Paris today?", max_output_tokens=80,
+        tools=[{"type": "custom", "name": "get_weather", "description": "Weather as free text",
+                "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}],
+    )  # fmt: skip
+    (item,) = custom.output
+    assert item.type == "custom_tool_call" and item.name == "get_weather"
+    assert json.loads(item.input) == CITY  # the raw input the model wrote
+    namespaced = oai.responses.create(
+        model="trained.gguf", input="What is the weather in Paris today?", max_output_tokens=80,
+        extra_body={"tools": [{"type": "namespace", "name": "weather",
+                               "tools": [{"type": "function", "name": "get_weather",
+                                          "parameters": {"type": "object"}}]}]},
+    )  # fmt: skip
+    (call,) = namespaced.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.namespace == "weather"
+    assert json.loads(call.arguments) == CITY
