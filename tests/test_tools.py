@@ -15,6 +15,7 @@ import pytest
 
 import trained
 from serverproc import ServerProcess
+from test_responses import check_sequence
 
 WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris today?"}]
 TOOLS = [trained.WEATHER_TOOL]
@@ -173,6 +174,7 @@ def test_responses_reasoning_and_function_call(oai):
         model="trained.gguf", input="What is the weather in Paris today?", stream=True,
         tools=RESPONSE_TOOLS, reasoning={"effort": "medium"}, max_output_tokens=80,
     ))  # fmt: skip
+    check_sequence(events)  # numbering, and every delta inside its item's added/done
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert "response.reasoning_text.delta" in kinds
