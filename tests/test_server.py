@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -301,3 +302,25 @@ def test_default_max_tokens_runs_to_the_end_of_the_context(server):
     ).json()
     assert r["choices"][0]["finish_reason"] == "length"
     assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == 1024
+
+
+def test_request_log_line_carries_the_session_tag(server):
+    httpx.post(
+        server.url + CHAT, json=chat_body(max_tokens=2, prompt_cache_key="sess-a1"), timeout=60
+    )
+    httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 2},
+        headers={"X-Session-Id": "sess-b2"},
+        timeout=60,
+    )
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = [line for line in server.lines if "session=sess-" in line]
+        if len(lines) >= 2:
+            break
+        time.sleep(0.05)
+    chat_line = next(line for line in lines if "session=sess-a1" in line)
+    assert "/v1/chat/completions 200" in chat_line and "generated=" in chat_line
+    assert "queue=" in chat_line and "finish=" in chat_line
+    assert any("/v1/completions 200" in line and "session=sess-b2" in line for line in lines)
