@@ -206,3 +206,40 @@ def test_content_type_after_routing_and_head_everywhere(server):
         r = httpx.head(url + path)
         assert r.status_code == 200 and r.content == b"", path
     assert httpx.head(url + CHAT).status_code == 405
+
+
+async def test_the_whole_queue_holds_256_then_429_and_anthropic_529(tiny_llama, tmp_path):
+    keyfile = tmp_path / "keys"
+    keyfile.write_text("".join(f"key-{i} tenant{i}\n" for i in range(10)))
+    proc = ServerProcess(
+        str(tiny_llama), "--ctx", "2048", "--slots", "1", "--api-key-file", str(keyfile),
+        env={"MASHBOX_FAULTS": "slow=0.05"},
+    )  # fmt: skip
+    try:
+        url = proc.wait_ready(120)
+        auth = [{"x-api-key": f"key-{i}"} for i in range(10)]
+        long = {**SMALL, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        limits = httpx.Limits(max_connections=400)
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
+            async with trio.open_nursery() as nursery:
+
+                async def hold():
+                    async with http.stream("POST", CHAT, json=long, headers=auth[9]) as r:
+                        async for _ in r.aiter_lines():
+                            pass
+
+                nursery.start_soon(hold)
+                await trio.sleep(0.5)
+                for i in range(256):  # 8 tenants x 32
+                    headers = auth[i % 8]
+                    nursery.start_soon(lambda h=headers: http.post(CHAT, json=SMALL, headers=h))
+                while (await http.get("/health")).json()["waiting"] < 256:
+                    await trio.sleep(0.05)
+                r = await http.post(CHAT, json=SMALL, headers=auth[8])
+                assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+                m = await http.post("/v1/messages", json=SMALL, headers=auth[8])
+                assert m.status_code == 529 and m.headers["Retry-After"]
+                assert m.json()["error"]["type"] == "overloaded_error"
+                nursery.cancel_scope.cancel()
+    finally:
+        proc.stop()
