@@ -135,3 +135,14 @@ def test_loading_answers_503_then_ready(tiny_llama):
     finally:
         assert proc.stop() == 0
     assert any("shutting down" in line for line in proc.lines)
+
+
+def test_int8_decode_weights_serve(tiny_llama):
+    proc = ServerProcess(str(tiny_llama), "--ctx", "128", "--decode-weights", "int8")
+    try:
+        url = proc.wait_ready(120)
+        body = {"prompt": "Paris", "max_tokens": 4, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert r["usage"]["completion_tokens"] == 4
+    finally:
+        assert proc.stop() == 0

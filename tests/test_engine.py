@@ -212,3 +212,28 @@ def test_lean_gguf_reader_matches_gguf(tiny, tiny_llama, which):
         assert mine.shape == tuple(int(d) for d in reversed(theirs.shape.tolist()))
         assert mine.qtype == theirs.tensor_type
         assert mine.data.tobytes() == np.asarray(theirs.data).tobytes()
+
+
+def test_int8_decode_weights_are_close_and_prefill_stays_float():
+    from mashbox.engine.model import INT8_MAX_ROWS, Int8Weight
+
+    w = torch.randn(96, 64)
+    weight = Int8Weight(w)
+    x = torch.randn(4, 64)
+    exact = x @ w.T
+    approx = weight(x)
+    assert approx.dtype == torch.float32
+    assert (approx - exact).norm() / exact.norm() < 0.02  # per-channel int8, bf16 activations
+    big = torch.randn(INT8_MAX_ROWS + 1, 64)
+    assert torch.equal(weight(big), F.linear(big, w))  # prefill-sized batches: the float path
+
+
+def test_int8_engine_decodes(tiny):
+    _, _, path = tiny
+    engine = Engine(path, slots=1, ctx=64, decode_weights="int8")
+    prompt = (4, 8, 15, 16, 23, 42)
+    res = engine.step(
+        Step(admits=(Admit(0, SamplingParams(), prompt),), prefills=(Prefill(0, 0, prompt, True),))
+    )
+    res = engine.step(Step(decodes=(Decode(0, res.tokens[0], len(prompt)),)))
+    assert 0 <= res.tokens[0] < VOCAB

@@ -51,6 +51,13 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a streaming client may read nothing before it is dropped (default 30)",
     )
     run.add_argument(
+        "--decode-weights",
+        choices=["float", "int8"],
+        default="float",
+        help="int8: decode steps read int8 per-channel weights (2.2x faster on the CPU here; "
+        "greedy text can differ from float after a few tokens, see README) (default float)",
+    )
+    run.add_argument(
         "--cache-ram",
         type=int,
         default=0,
@@ -115,6 +122,7 @@ def main(argv=None) -> int:
             keep_alive=args.keep_alive,
             api_key_file=args.api_key_file,
             cache_ram_mib=args.cache_ram,
+            decode_weights=args.decode_weights,
             allowed_hosts=tuple(args.allowed_host),
             ui=args.ui,
         )

@@ -49,6 +49,7 @@ class ServeOptions:
     keep_alive: float = 5.0
     api_key_file: Path | None = None
     cache_ram_mib: int = 0
+    decode_weights: str = "float"
     allowed_hosts: tuple[str, ...] = ()
     ui: bool = False  # the chat page on /
 
@@ -141,7 +142,12 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
 
     def start_worker():
         return WorkerProcess(
-            path, slots=opts.slots, ctx=opts.ctx or 0, device=opts.device, threads=opts.threads
+            path,
+            slots=opts.slots,
+            ctx=opts.ctx or 0,
+            device=opts.device,
+            threads=opts.threads,
+            decode_weights=opts.decode_weights,
         )
 
     supervisor = Supervisor(start_worker, step_timeout=opts.step_timeout)

@@ -18,8 +18,10 @@ class WorkerError(Exception):
 class WorkerProcess:
     """One engine process behind a pipe; the scheduler is its only caller."""
 
-    def __init__(self, path, *, slots: int, ctx: int, device: str, threads: int):
-        self._args = (str(path), slots, ctx, device, threads)
+    def __init__(
+        self, path, *, slots: int, ctx: int, device: str, threads: int, decode_weights="float"
+    ):
+        self._args = (str(path), slots, ctx, device, threads, decode_weights)
         self._conn = None
         self._process = None
 

@@ -35,14 +35,30 @@ DEFAULT_MAX_CTX = 8192
 class Engine:
     """Owns every tensor; knows nothing of requests, text or time limits."""
 
-    def __init__(self, path: Path, *, slots: int, ctx: int = 0, device: str = "cpu", dtype=None):
+    def __init__(
+        self,
+        path: Path,
+        *,
+        slots: int,
+        ctx: int = 0,
+        device: str = "cpu",
+        dtype=None,
+        decode_weights: str = "float",
+    ):
         loaded = weights_mod.load(Path(path))
         self.cfg = loaded.config
         # ctx 0: the model's trained context, capped so the default KV cache stays modest.
         ctx = ctx or min(self.cfg.max_context, DEFAULT_MAX_CTX)
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(device)
-        self.model = Model(self.cfg, loaded.tensors, self.device, self.dtype, n_positions=ctx)
+        self.model = Model(
+            self.cfg,
+            loaded.tensors,
+            self.device,
+            self.dtype,
+            n_positions=ctx,
+            int8=decode_weights == "int8",
+        )
         self.ctx = ctx
         self.cache = KVCache(self.cfg, slots, ctx, self.device, self.dtype)
         self.slots: list[_SlotState | None] = [None] * slots

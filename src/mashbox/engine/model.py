@@ -33,6 +33,33 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
+INT8_MAX_ROWS = 16  # up to this many rows (decode batches) use the int8 weights
+
+
+class Int8Weight:
+    """A weight kept twice: float for prefill-sized batches, int8 per output channel with
+    bf16 scales for decode, where reading the weights is the whole cost (4x fewer bytes)."""
+
+    def __init__(self, w: Tensor):
+        self.w = w
+        scale = w.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        self.q = torch.round(w.float() / scale[:, None]).to(torch.int8).contiguous()
+        self.scale = scale.to(torch.bfloat16)
+
+    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        if x.shape[0] > INT8_MAX_ROWS:
+            return F.linear(x, self.w, bias)
+        # The int8 kernel wants bf16 activations (float32 ones take a scalar path).
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale)
+        y = y.to(x.dtype)
+        return y + bias if bias is not None else y
+
+
+def linear(x: Tensor, w, bias: Tensor | None = None) -> Tensor:
+    """F.linear, or the int8 decode path for an Int8Weight."""
+    return w(x, bias) if isinstance(w, Int8Weight) else F.linear(x, w, bias)
+
+
 class KVCache:
     """One whole context per slot: k/v are [layers, slots, kv_heads, ctx, head_dim]."""
 
@@ -65,7 +92,9 @@ class KVCache:
 class Model:
     """Weights as plain tensors and a forward pass over flat token batches."""
 
-    def __init__(self, cfg: ModelConfig, tensors: dict, device, dtype, n_positions: int = 0):
+    def __init__(
+        self, cfg: ModelConfig, tensors: dict, device, dtype, n_positions: int = 0, int8=False
+    ):
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -105,6 +134,11 @@ class Model:
                 }
             )
         self.cos, self.sin = rope_tables(cfg, max(n_positions, cfg.max_context), self.device)
+        if int8:
+            for layer in self.layers:
+                for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                    layer[name] = Int8Weight(layer[name])
+            self.lm_head = Int8Weight(self.lm_head)
 
     def forward(self, token_ids: Tensor, positions: Tensor, attend) -> Tensor:
         """Run the decoder on flat tokens; `attend(layer, q, k, v)` owns the KV cache.
@@ -117,7 +151,7 @@ class Model:
         nq, nkv, hd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.head_dim
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-            qkv = F.linear(h, w["wqkv"], w["bqkv"])
+            qkv = linear(h, w["wqkv"], w["bqkv"])
             q = qkv[:, :nq].view(-1, cfg.n_heads, hd)
             k = qkv[:, nq : nq + nkv].view(-1, cfg.n_kv_heads, hd)
             v = qkv[:, nq + nkv :].view(-1, cfg.n_kv_heads, hd)
@@ -125,15 +159,15 @@ class Model:
                 q = rms_norm(q, w["q_norm"], cfg.norm_eps)
                 k = rms_norm(k, w["k_norm"], cfg.norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            x = x + F.linear(attend(i, q, k, v), w["wo"])
+            x = x + linear(attend(i, q, k, v), w["wo"])
             h = rms_norm(x, w["ffn_norm"], cfg.norm_eps)
-            gate, up = F.linear(h, w["w_gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w["w_down"])
+            gate, up = linear(h, w["w_gate_up"]).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, w["w_down"])
         return rms_norm(x, self.final_norm, cfg.norm_eps)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Project hidden states to float32 vocabulary logits."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     def prefill(
         self, cache: KVCache, slot: int, start: int, token_ids: Tensor, *, all_rows: bool = False

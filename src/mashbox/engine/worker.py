@@ -8,7 +8,9 @@ import traceback
 from ..protocol import Shutdown, Step, WorkerFailed
 
 
-def worker_main(conn, path: str, slots: int, ctx: int, device: str, threads: int) -> None:
+def worker_main(
+    conn, path: str, slots: int, ctx: int, device: str, threads: int, decode_weights: str = "float"
+) -> None:
     """Entry point of the engine process (spawned: it imports torch, the server never does)."""
     import torch
 
@@ -21,7 +23,7 @@ def worker_main(conn, path: str, slots: int, ctx: int, device: str, threads: int
 
     try:
         faults = Faults()
-        engine = Engine(path, slots=slots, ctx=ctx, device=device)
+        engine = Engine(path, slots=slots, ctx=ctx, device=device, decode_weights=decode_weights)
     except Exception as exc:
         conn.send(WorkerFailed(f"cannot load {path}: {exc}"))
         return
