@@ -114,6 +114,9 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument(
+        "--server-args", default="", help='more `mashbox run` flags, e.g. "--decode-weights int8"'
+    )
     args = parser.parse_args()
     if args.url:
         trio.run(main_async, args, args.url)
@@ -121,7 +124,8 @@ def main() -> None:
     from serverproc import ServerProcess
 
     slots = max(args.slots, *args.streams)
-    proc = ServerProcess(args.model, "--slots", str(slots), "--ctx", "1024")
+    extra = args.server_args.split()
+    proc = ServerProcess(args.model, "--slots", str(slots), "--ctx", "1024", *extra)
     try:
         url = proc.wait_ready(900)
         trio.run(main_async, args, url)
