@@ -6,6 +6,8 @@ import anthropic
 import httpx
 import pytest
 
+from serverproc import ServerProcess
+
 MODEL = "mashbox-any-name"  # any name is accepted and echoed
 
 
@@ -174,3 +176,24 @@ def test_key_in_either_header_is_accepted(server):
         assert (
             httpx.post(server.url + "/v1/messages", json=body, headers=headers).status_code == 200
         )
+
+
+def test_pings_keep_a_silent_stream_alive(tiny_llama):
+    """A long prefill is silent: the stream sends pings meanwhile (every 0.2 s here)."""
+    proc = ServerProcess(
+        str(tiny_llama), "--ctx", "2048", "--prefill-chunk", "8",
+        env={"MASHBOX_FAULTS": "slow=0.05", "MASHBOX_PING_SECONDS": "0.2"},
+    )  # fmt: skip
+    try:
+        url = proc.wait_ready(120)
+        body = {"messages": [{"role": "user", "content": "Paris is lovely. " * 60}],
+                "max_tokens": 2, "stream": True}  # fmt: skip
+        r = httpx.post(url + "/v1/messages", json=body, timeout=120)
+        names = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+        first_block = names.index("content_block_start") if "content_block_start" in names else -1
+        before = names[:first_block] if first_block >= 0 else names
+        assert before[:2] == ["message_start", "ping"]
+        assert before.count("ping") >= 3  # ~40 chunks of 50 ms: pings during the prefill
+        assert names[-1] == "message_stop"
+    finally:
+        proc.stop()

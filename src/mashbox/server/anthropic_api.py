@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import time
 
@@ -17,7 +18,9 @@ from .state import ServerState
 from .validate import Body
 
 SIGNATURE = "mashbox-local"
-PING_EVERY = 5.0  # seconds of silence before a ping: Claude Code treats a quiet stream as stalled
+# Seconds of silence before a ping: Claude Code treats a quiet stream as stalled.
+# MASHBOX_PING_SECONDS changes it (tests make it short).
+PING_EVERY = float(os.environ.get("MASHBOX_PING_SECONDS", "5"))
 _MEDIA = ("image", "document", "audio", "file", "search_result", "container_upload")
 
 
