@@ -88,3 +88,14 @@ class ServerProcess:
         if self._log:
             self._log.close()
         return self.proc.returncode
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.02):
+    """Poll until predicate() is truthy; return its value, or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s")

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 import rawhttp
-from serverproc import ServerProcess
+from serverproc import ServerProcess, wait_for
 
 CHAT = "/v1/chat/completions"
 
@@ -25,16 +25,6 @@ def chat_body(content="Tell me a story.", **extra) -> dict:
 
 def health(url: str) -> dict:
     return httpx.get(url + "/health", timeout=10).json()
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serverproc import ServerProcess
+from serverproc import ServerProcess, wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -35,16 +35,6 @@ try:
     from playwright.sync_api import expect, sync_playwright
 except ImportError:  # pragma: no cover - setup.sh installs it
     sync_playwright = None
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def live_rows(url: str) -> int:

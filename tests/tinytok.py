@@ -129,12 +129,18 @@ def train_bpe(workdir: Path, vocab_size: int = 400) -> tokenizers.Tokenizer:
 
 
 def add_spm_tokenizer(
-    writer: gguf.GGUFWriter, model_path: Path, *, chat_template: str = CHATML_TEMPLATE
+    writer: gguf.GGUFWriter,
+    model_path: Path,
+    *,
+    chat_template: str = CHATML_TEMPLATE,
+    user_defined: frozenset[str] = frozenset(),
+    add_space_prefix: bool = True,
 ) -> int:
     """Write a SentencePiece model's tokenizer.ggml.* keys as llama.cpp's converter does.
 
     SPECIAL_TOKENS become CONTROL tokens, as the converter makes added tokens marked
-    special; eos is <|im_end|>. Return the vocabulary size.
+    special; `user_defined` pieces (tags shown as text) become USER_DEFINED; eos is
+    <|im_end|>. Return the vocabulary size.
     """
     import gguf
 
@@ -147,6 +153,8 @@ def add_spm_tokenizer(
             kind = gguf.TokenType.UNKNOWN
         elif sp.is_control(i) or piece in special:
             kind = gguf.TokenType.CONTROL
+        elif piece in user_defined:
+            kind = gguf.TokenType.USER_DEFINED
         elif sp.is_unused(i):
             kind = gguf.TokenType.UNUSED
         elif sp.is_byte(i):
@@ -166,7 +174,7 @@ def add_spm_tokenizer(
     writer.add_unk_token_id(sp.unk_id())
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
-    writer.add_add_space_prefix(True)
+    writer.add_add_space_prefix(add_space_prefix)
     writer.add_chat_template(chat_template)
     return len(tokens)
 

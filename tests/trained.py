@@ -439,38 +439,14 @@ def _train_spm(workdir: Path, template: ChatTemplate) -> Path:
 
 
 def _add_tokenizer(writer, model_path: Path) -> None:
-    """tinytok.add_spm_tokenizer's keys, with the tags USER_DEFINED and no space prefix."""
-    import gguf
-
-    sp = spm.SentencePieceProcessor(model_file=str(model_path))
-    tokens, scores, types = [], [], []
-    for i in range(sp.get_piece_size()):
-        piece = sp.id_to_piece(i)
-        if sp.is_unknown(i):
-            kind = gguf.TokenType.UNKNOWN
-        elif sp.is_control(i) or piece in tinytok.SPECIAL_TOKENS:
-            kind = gguf.TokenType.CONTROL
-        elif piece in TAGS:
-            kind = gguf.TokenType.USER_DEFINED
-        elif sp.is_byte(i):
-            kind = gguf.TokenType.BYTE
-        else:
-            kind = gguf.TokenType.NORMAL
-        tokens.append(piece.encode("utf-8"))
-        scores.append(sp.get_score(i))
-        types.append(kind)
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(sp.bos_id())
-    writer.add_eos_token_id(sp.piece_to_id("<|im_end|>"))
-    writer.add_unk_token_id(sp.unk_id())
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    writer.add_add_space_prefix(False)
-    writer.add_chat_template(TOOL_TEMPLATE)
+    """tinytok's SentencePiece keys, with the tags USER_DEFINED and no space prefix."""
+    tinytok.add_spm_tokenizer(
+        writer,
+        model_path,
+        chat_template=TOOL_TEMPLATE,
+        user_defined=frozenset(TAGS),
+        add_space_prefix=False,
+    )
 
 
 # --- model ------------------------------------------------------------------------------------
