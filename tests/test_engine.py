@@ -12,7 +12,7 @@ from mashbox.engine import weights as weights_mod
 from mashbox.engine.dequant import dequantize
 from mashbox.engine.engine import Engine
 from mashbox.engine.sampling import apply_penalties, sample, uniforms
-from mashbox.protocol import Admit, Decode, Prefill, SamplingParams, Step
+from mashbox.protocol import Admit, Branch, Decide, Decode, Prefill, SamplingParams, Step
 
 from tinymodels import random_weights, write_gguf
 
@@ -130,6 +130,62 @@ def test_engine_steps_greedy_tokens_equal_reference(tiny):
         logits = hidden[-1] @ torch.from_numpy(w.get("output.weight", w["token_embd.weight"])).T
         expected.append(int(logits.argmax()))
     assert seq == expected
+
+
+def reference_logprobs(w: dict, ids: list[int]) -> torch.Tensor:
+    hidden = reference_hidden(w, ids)
+    head = torch.from_numpy(w.get("output.weight", w["token_embd.weight"]))
+    return torch.log_softmax(hidden[-1] @ head.T, -1)
+
+
+def test_decide_reads_branches_after_the_prefix_like_whole_prompts(tiny):
+    """Each branch (suffix, leaves) reads what the whole prompt prefix + suffix (+ leaf)
+    gives, although the suffixes share one forward and are never written to the slot."""
+    _, w, path = tiny
+    engine = Engine(path, slots=2, ctx=64)
+    prefix = [4, 8, 15, 16, 23, 42, 5]
+    branches = (
+        Branch((7, 9, 11), ((1, 2, 3), (5, 6), (90, 1)), leaves=(2, 3)),
+        Branch((30,), ((4, 50),)),
+        Branch((12, 13, 14, 15, 16), ((8,), (9, 10)), leaves=(8,)),
+    )
+    result = engine.step(
+        Step(
+            admits=(Admit(1, SamplingParams(), tuple(prefix)),),
+            prefills=(Prefill(1, 0, tuple(prefix), False),),
+            decides=(Decide(1, len(prefix), branches),),
+        )
+    )
+    assert result.tokens == {}
+    reads = result.decisions[1]
+    for branch, got in zip(branches, reads, strict=True):
+        ids = prefix + list(branch.token_ids)
+        contexts = [ids] + [ids + [leaf] for leaf in branch.leaves]
+        for context, candidates, values in zip(contexts, branch.candidates, got, strict=True):
+            expected = reference_logprobs(w, context)[list(candidates)]
+            torch.testing.assert_close(torch.tensor(values), expected, rtol=1e-4, atol=1e-4)
+    # The slot still holds the prefix alone: a decode after it sees no suffix.
+    h = engine.model.decode(engine.cache, [1], torch.tensor([3]), torch.tensor([len(prefix)]))
+    torch.testing.assert_close(h[0], reference_hidden(w, prefix + [3])[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_branch_reads_the_same_alone_and_among_others(tiny):
+    _, _, path = tiny
+    engine = Engine(path, slots=1, ctx=64)
+    prefix = (4, 8, 15, 16, 23, 42)
+    target = Branch((7, 9, 11), ((1, 2, 3), (5, 6)), leaves=(2,))
+    others = [Branch(tuple(range(10 + i, 14 + 2 * i)), ((1, 2),)) for i in range(5)]
+    engine.step(
+        Step(admits=(Admit(0, SamplingParams(), prefix),), prefills=(Prefill(0, 0, prefix, False),))
+    )
+
+    def read(branches):
+        step = Step(decides=(Decide(0, len(prefix), tuple(branches)),))
+        return engine.step(step).decisions[0]
+
+    alone = read([target])[0]
+    assert read([*others[:2], target, *others[2:]])[2] == alone
+    assert read([target, *others])[0] == alone
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])

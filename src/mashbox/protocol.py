@@ -71,6 +71,29 @@ class Restore:
 
 
 @attrs.frozen
+class Branch:
+    """Tokens read after a slot's prefix and never written to it (a typed decision's question).
+
+    The suffix is causal; each leaf is a one-token continuation of the whole suffix, read
+    side by side with the others (a tree). `candidates` name the tokens whose log-probs come
+    back: first those after the suffix, then those after each leaf in turn.
+    """
+
+    token_ids: tuple[int, ...]
+    candidates: tuple[tuple[int, ...], ...]
+    leaves: tuple[int, ...] = ()
+
+
+@attrs.frozen
+class Decide:
+    """Read `branches` after the first `prefix` positions of `slot` (filled by now)."""
+
+    slot: int
+    prefix: int
+    branches: tuple[Branch, ...]
+
+
+@attrs.frozen
 class Step:
     """One engine step: cache moves, admissions, prefill chunks, then one batched decode."""
 
@@ -81,6 +104,7 @@ class Step:
     saves: tuple[Save, ...] = ()  # run first: a slot is saved before it is overwritten
     restores: tuple[Restore, ...] = ()
     drops: tuple[int, ...] = ()  # prompt-cache entries to forget
+    decides: tuple[Decide, ...] = ()  # run after the prefills that fill their prefixes
 
 
 @attrs.frozen
@@ -91,6 +115,8 @@ class StepResult:
     elapsed_s: float
     # Embeddings: slot -> the pooled vector, for slots whose last pooled chunk ran.
     embeddings: dict[int, tuple[float, ...]] = attrs.Factory(dict)
+    # Decisions: slot -> per branch, per read, the candidates' float32 log-probs.
+    decisions: dict[int, tuple[tuple[tuple[float, ...], ...], ...]] = attrs.Factory(dict)
 
 
 @attrs.frozen

@@ -14,7 +14,18 @@ import attrs
 import trio
 
 from .prompt_cache import PromptCache, common_prefix
-from .protocol import Admit, Decode, Prefill, Restore, SamplingParams, Save, Step, StepResult
+from .protocol import (
+    Admit,
+    Branch,
+    Decide,
+    Decode,
+    Prefill,
+    Restore,
+    SamplingParams,
+    Save,
+    Step,
+    StepResult,
+)
 from .text.stops import StopMatcher
 from .text.tokenizer import Detokenizer, Tokenizer
 from .worker_client import WorkerError
@@ -92,6 +103,13 @@ class Embedding:
 
 
 @attrs.frozen
+class Decision:
+    """A decision request's reads: per branch, per read, the candidates' log-probs."""
+
+    logprobs: tuple[tuple[tuple[float, ...], ...], ...]
+
+
+@attrs.frozen
 class Restarted:
     """The engine failed before anything reached the client: the answer starts again."""
 
@@ -108,6 +126,9 @@ class Request:
     ignore_eos: bool = False  # benchmarks: run to max_tokens whatever the model says
     stream: bool = False  # a stream that has sent text is never run again after a fault
     embed: bool = False  # an embedding: prefill every token, pool, generate nothing
+    # A typed decision: prefill the prompt, then read these branches after it in one
+    # forward; nothing is generated.
+    branches: tuple[Branch, ...] = ()
 
 
 @attrs.define(eq=False)
@@ -136,7 +157,8 @@ class Sequence:
 
     @property
     def decoding(self) -> bool:
-        return self.prefilled == len(self.request.prompt_ids) and not self.request.embed
+        r = self.request
+        return self.prefilled == len(r.prompt_ids) and not (r.embed or r.branches)
 
 
 @attrs.define(eq=False)
@@ -437,7 +459,7 @@ class Scheduler:
         return c.nbytes, c.cap_bytes, c.evictions
 
     def _plan(self) -> Step | None:
-        admits, prefills, decodes = [], [], []
+        admits, prefills, decodes, decides = [], [], [], []
         budget = self.prefill_chunk
         for slot in self.slots:
             seq = slot.seq
@@ -455,13 +477,19 @@ class Scheduler:
                 chunk = prompt[seq.prefilled : seq.prefilled + budget]
                 budget -= len(chunk)
                 last = seq.prefilled + len(chunk) == len(prompt)
-                prefills.append(Prefill(slot.index, seq.prefilled, chunk, last, seq.request.embed))
+                branches, embed = seq.request.branches, seq.request.embed
+                sample = last and not branches
+                prefills.append(Prefill(slot.index, seq.prefilled, chunk, sample, embed))
+                if last and branches:  # read right after the chunk that completes the prefix
+                    decides.append(Decide(slot.index, len(prompt), branches))
         moves = (tuple(self._saves), tuple(self._restores), tuple(self._drops))
         if not (admits or prefills or decodes or any(moves)):
             return None
         self._saves, self._restores, self._drops = [], [], []
         self._steps += 1
-        return Step(self._steps, tuple(admits), tuple(prefills), tuple(decodes), *moves)
+        return Step(
+            self._steps, tuple(admits), tuple(prefills), tuple(decodes), *moves, tuple(decides)
+        )
 
     def _apply(self, step: Step, result: StepResult) -> None:
         now = time.perf_counter()
@@ -482,6 +510,14 @@ class Scheduler:
                 prompt_tokens += len(slot.seq.request.prompt_ids)
                 generated += 1
                 self._on_token(slot.seq, tokens[p.slot], now)
+        for d in step.decides:
+            seq = self.slots[d.slot].seq
+            if seq is None or seq.cancelled:
+                continue
+            prompt_tokens += len(seq.request.prompt_ids)
+            seq.t_first = seq.t_last = now
+            seq.outbox.append(Decision(result.decisions[d.slot]))
+            self._finish(seq, "stop", flush=False)
         for d in step.decodes:
             slot = self.slots[d.slot]
             if slot.seq is None or slot.seq.cancelled:

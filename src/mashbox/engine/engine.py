@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from ..protocol import Admit, EngineInfo, SamplingParams, Step, StepResult
+from ..protocol import Admit, Decide, EngineInfo, SamplingParams, Step, StepResult
 from . import weights as weights_mod
-from .model import KVCache, Model
+from .model import MIN_GEMM_ROWS, KVCache, Model
 from .sampling import apply_penalties, sample
 
 
@@ -30,6 +30,23 @@ def default_dtype(device: str) -> torch.dtype:
 
 
 DEFAULT_MAX_CTX = 8192
+
+
+BRANCH_ROWS = 4096  # rows per decision forward: bounds activation memory
+
+
+def _batches(branches, budget: int):
+    """Consecutive groups of branches with at most `budget` rows each (one if larger)."""
+    group, rows = [], 0
+    for b in branches:
+        size = len(b.token_ids) + len(b.leaves)
+        if group and rows + size > budget:
+            yield group
+            group, rows = [], 0
+        group.append(b)
+        rows += size
+    if group:
+        yield group
 
 
 class Engine:
@@ -114,9 +131,34 @@ class Engine:
             logits = self.model.logits(self.model.decode(self.cache, slots, ids, positions))
             for row, d in enumerate(step.decodes):
                 tokens[d.slot] = self._sample(d.slot, logits[row], d.position + 1)
+        decisions = {d.slot: self._decide(d) for d in step.decides}
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return StepResult(tokens, time.perf_counter() - t0, embeddings)
+        return StepResult(tokens, time.perf_counter() - t0, embeddings, decisions)
+
+    def _decide(self, decide: Decide) -> tuple:
+        """Each branch's candidate log-probs (float32, over the whole vocabulary), run in
+        forwards of at most BRANCH_ROWS rows so a large request cannot exhaust memory."""
+        out = []
+        for group in _batches(decide.branches, BRANCH_ROWS):
+            pairs = [(list(b.token_ids), list(b.leaves)) for b in group]
+            hidden = self.model.branch(self.cache, decide.slot, decide.prefix, pairs)
+            rows, start = [], 0
+            for b in group:  # the suffix's last row, then each leaf's
+                n = len(b.token_ids)
+                rows += [start + n - 1, *range(start + n, start + n + len(b.leaves))]
+                start += n + len(b.leaves)
+            padded = rows + rows[-1:] * (MIN_GEMM_ROWS - len(rows))  # batch-invariant rows
+            logits = self.model.logits(hidden[padded]).float()
+            logprobs = torch.log_softmax(logits, dim=-1).cpu()
+            r = 0
+            for b in group:
+                reads = []
+                for candidates in b.candidates:
+                    reads.append(tuple(logprobs[r, list(candidates)].tolist()))
+                    r += 1
+                out.append(tuple(reads))
+        return tuple(out)
 
     def _sample(self, slot: int, logits: torch.Tensor, position: int) -> int:
         state = self.slots[slot]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -221,3 +223,68 @@ class Model:
             return torch.stack(rows).reshape(len(slots), -1)
 
         return self.forward(token_ids, positions, attend)
+
+    def branch(
+        self, cache: KVCache, slot: int, prefix: int, branches: list[tuple[list[int], list[int]]]
+    ) -> Tensor:
+        """Run suffixes that follow the first `prefix` positions of `slot` in one forward,
+        without writing their KV: each branch is (suffix, leaves), its suffix causal and each
+        leaf a one-token continuation of the whole suffix. Returns every row's hidden state,
+        branch after branch, leaves after their suffix.
+
+        Each branch attends to the shared prefix in place (a view of the slot, never copied)
+        and to its own rows only, so its answer cannot depend on the other branches; with at
+        least MIN_GEMM_ROWS rows the float32 CPU matmuls give every row the same bits
+        whatever the batch (tests/test_engine.py checks that).
+        """
+        spans, ids, positions = [], [], []
+        rows = sum(len(suffix) + len(leaves) for suffix, leaves in branches)
+        if rows < MIN_GEMM_ROWS:  # a padding branch, read by no one
+            branches = [*branches, ([0] * (MIN_GEMM_ROWS - rows), [])]
+        for suffix, leaves in branches:
+            n, m = len(suffix), len(leaves)
+            spans.append((len(ids), n, m))
+            ids += [*suffix, *leaves]
+            positions += [*range(prefix, prefix + n), *[prefix + n] * m]
+        masks = {(n, m): _tree_mask(n, m, self.device) for _, n, m in spans}
+        scale = self.cfg.head_dim**-0.5
+        groups = self.cfg.n_heads // self.cfg.n_kv_heads
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            kp = cache.k[layer, slot, :, :prefix].float()  # [kv_heads, prefix, head_dim]
+            vp = cache.v[layer, slot, :, :prefix].float()
+            out = []
+            for start, n, m in spans:
+                rows = n + m
+                # Query heads grouped by their KV head: [kv_heads, groups * rows, head_dim].
+                qb = q[start : start + rows].float().transpose(0, 1)
+                qb = qb.reshape(self.cfg.n_kv_heads, groups * rows, -1)
+                kb = k[start : start + rows].float().transpose(0, 1)
+                vb = v[start : start + rows].float().transpose(0, 1)
+                own = (qb @ kb.transpose(1, 2)) * scale
+                own = own.masked_fill(~masks[n, m].repeat(groups, 1), -math.inf)
+                shared = (qb @ kp.transpose(1, 2)) * scale
+                # One softmax over the prefix's keys and the branch's own keys.
+                top = torch.maximum(shared.amax(-1, keepdim=True), own.amax(-1, keepdim=True))
+                es, eo = (shared - top).exp(), (own - top).exp()
+                mixed = (es @ vp + eo @ vb) / (es.sum(-1, keepdim=True) + eo.sum(-1, keepdim=True))
+                mixed = mixed.reshape(self.cfg.n_heads, rows, -1).transpose(0, 1)
+                out.append(mixed.reshape(rows, -1).to(q.dtype))
+            return torch.cat(out)
+
+        token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return self.forward(token_ids, pos, attend)
+
+
+# Below this many rows, CPU sgemm takes small-M paths whose rounding depends on M.
+MIN_GEMM_ROWS = 16
+
+
+def _tree_mask(n: int, m: int, device) -> Tensor:
+    """Which of a branch's own rows each row sees: the suffix causally, each leaf the whole
+    suffix and itself."""
+    rows = n + m
+    mask = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
+    mask[n:, n:] = torch.eye(m, dtype=torch.bool, device=device)
+    return mask

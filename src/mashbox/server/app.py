@@ -10,8 +10,17 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from .. import __version__
-from . import anthropic_api, chat_ws, embeddings_api, openai_api, openapi, responses_api
+from . import (
+    anthropic_api,
+    chat_ws,
+    embeddings_api,
+    openai_api,
+    openapi,
+    responses_api,
+    systemone_api,
+)
 from . import ui as chat_ui
+from .body import read_body
 from .errors import ApiError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .state import ServerState
@@ -78,9 +87,7 @@ async def _json_body():
     content_type = request.mimetype or ""
     if content_type != "application/json":
         raise ApiError(415, "the body must be JSON (Content-Type: application/json)")
-    raw = await request.get_data(cache=False)
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
+    raw = await read_body(request, MAX_BODY_BYTES)
     try:
         # ValueError covers invalid UTF-8 and integers past Python's 4300-digit limit.
         data = json.loads(raw)
@@ -127,7 +134,7 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
         try:
             g.tenant = state.guard.check(request.path, request.headers)
         except ApiError as exc:
-            raise (exc.for_anthropic() if _is_anthropic(request.path) else exc) from None
+            raise _shaped(exc, request.path) from None
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException):
@@ -140,17 +147,14 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
             error = ApiError(
                 426, "this route speaks WebSocket only", headers={"Upgrade": "websocket"}
             )
-        if _is_anthropic(request.path):
-            error = error.for_anthropic()
+        error = _shaped(error, request.path)
         return _json(error.body(), error.status, error.headers)
 
     @app.errorhandler(Exception)
     async def unexpected(exc: Exception):
         app.logger.exception("unexpected error")
-        error = ApiError(500, "internal error", type="server_error")
-        if _is_anthropic(request.path):
-            error = error.for_anthropic()
-        return _json(error.body(), 500)
+        error = _shaped(ApiError(500, "internal error", type="server_error"), request.path)
+        return _json(error.body(), error.status)
 
     async def health():
         return _json(health_body(state), 200 if state.ready else 503)
@@ -162,6 +166,11 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
     for path in ("/v1/health", "/health", "/"):
         view = chat_page if page is not None and path == "/" else health
         app.add_url_rule(path, f"health{path}", view, methods=["GET"])
+
+    @app.get("/health/live")
+    async def live():
+        """200 while the process runs, loaded or not (seed 004)."""
+        return _json({"status": "alive"})
 
     @app.get("/metrics")
     async def metrics():
@@ -190,7 +199,13 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
                     "last_id": entry["id"],
                 }
             )
-        return _json({"object": "list", "data": [model_card(state)]})
+        return _json(
+            {
+                "object": "list",
+                "data": [model_card(state)],
+                "models": systemone_api.model_entries(state),  # seed 004's shape
+            }
+        )
 
     @app.get("/v1/models/<path:model>")
     async def get_model(model: str):
@@ -219,6 +234,18 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
     async def embeddings():
         body = await _json_body()
         return _json(await embeddings_api.embeddings(state, body, request.headers, g.tenant))
+
+    @app.post("/v1/systemone")
+    async def systemone():
+        try:
+            body = await _json_body()
+        except ApiError as exc:
+            raise exc.for_jev() from None
+        return _json(await systemone_api.systemone(state, body, g.tenant))
+
+    @app.get("/v1/limits")
+    async def limits():
+        return _json(systemone_api.limits(state, MAX_BODY_BYTES))
 
     @app.websocket(WS_PATH)
     async def chat_websocket():
@@ -275,6 +302,18 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
 
 def _is_anthropic(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+JEV_PATHS = frozenset({"/v1/systemone", "/v1/limits"})
+
+
+def _shaped(error: ApiError, path: str) -> ApiError:
+    """An error in the shape of the route it answers."""
+    if _is_anthropic(path):
+        return error.for_anthropic()
+    if path in JEV_PATHS:
+        return error.for_jev()
+    return error
 
 
 class ShieldFinalSend:

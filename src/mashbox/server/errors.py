@@ -1,4 +1,5 @@
-"""Errors a route answers with, in the OpenAI shape or the Anthropic one."""
+"""Errors a route answers with: in the OpenAI shape, the Anthropic one, or seed 004's
+`ErrorResponse` for typed decisions (/v1/systemone, /v1/limits)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,16 @@ _ANTHROPIC_TYPES = {
 }
 
 
+# Seed 004's error codes (ErrorDetail.code).
+JEV_CODES = frozenset(
+    {
+        "validation", "body_too_large", "unknown_model", "too_many_tokens",
+        "unsupported_content", "backend_unreachable", "backend_error", "backend_timeout",
+        "readout_truncated", "overloaded", "client_disconnected",
+    }
+)  # fmt: skip
+
+
 @attrs.define
 class ApiError(Exception):
     """An error response: status, message, OpenAI type, and the field it is about."""
@@ -27,12 +38,16 @@ class ApiError(Exception):
     param: str | None = None
     code: str | None = None
     headers: dict = attrs.Factory(dict)
-    anthropic: bool = False  # render in the Anthropic shape (/v1/messages*)
+    shape: str = "openai"  # or "anthropic" (/v1/messages*) or "jev" (/v1/systemone)
+    detail: list | None = None  # FastAPI-style validation entries (jev shape)
 
     def body(self) -> dict:
-        if self.anthropic:
+        if self.shape == "anthropic":
             kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
             return {"type": "error", "error": {"type": kind, "message": self.message}}
+        if self.shape == "jev":
+            body = {"error": {"message": self.message, "code": self.code}}
+            return {**body, "detail": self.detail} if self.detail else body
         return {
             "error": {
                 "message": self.message,
@@ -51,7 +66,44 @@ class ApiError(Exception):
             headers.setdefault("Retry-After", "5")
             if self.type == "unavailable":
                 headers["x-should-retry"] = "true"
-        return attrs.evolve(self, status=status, headers=headers, anthropic=True)
+        return attrs.evolve(self, status=status, headers=headers, shape="anthropic")
+
+    def for_jev(self) -> ApiError:
+        """The same error in seed 004's shape: one of its codes, 422 for validation (with a
+        `detail` list, as FastAPI-style clients expect), 529 overloaded when the queue is
+        full, 503 while the model loads, 502 when the engine failed."""
+        if self.shape == "jev":
+            return self
+        status, code, headers = self.status, self.code, dict(self.headers)
+        if self.type == "unavailable":
+            status, code = 503, "backend_unreachable"
+        elif code in ("queue_full", "tenant_queue_full"):
+            status, code = 529, "overloaded"
+            headers.setdefault("Retry-After", "1")
+        elif status == 413:
+            code = "body_too_large"
+        elif status == 415:
+            code = "unsupported_content"
+        elif code not in JEV_CODES:
+            # The seed has no code for auth, routing or method errors: they keep their
+            # status and read as a request problem.
+            status, code = (502, "backend_error") if status >= 500 else (status, "validation")
+            if status == 400:
+                status = 422
+        detail = self.detail
+        if code == "validation" and not detail:
+            detail = [{"loc": ["body"], "msg": self.message, "type": "value_error"}]
+        return attrs.evolve(
+            self, status=status, code=code, headers=headers, shape="jev", detail=detail
+        )
+
+
+def invalid(loc: tuple, message: str, kind: str = "value_error", code="validation") -> ApiError:
+    """A typed-decision request error naming its field (loc: path inside the body)."""
+    where = ".".join(str(part) for part in loc)
+    entry = {"loc": ["body", *loc], "msg": message, "type": kind}
+    return ApiError(422, f"{where}: {message}" if where else message, code=code,
+                    param=where or None, shape="jev", detail=[entry])  # fmt: skip
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:

@@ -1,0 +1,46 @@
+"""Request bodies: read whole, decompressed (gzip, deflate, zstd) within the size cap.
+
+Clients such as the TypeSafe SDK send large bodies zstd-compressed (`Content-Encoding`); the
+cap applies to the decompressed size too, so a small compressed body cannot expand to
+gigabytes in memory.
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+
+from .errors import ApiError
+
+if sys.version_info >= (3, 14):
+    from compression.zstd import ZstdDecompressor, ZstdError
+else:
+    from backports.zstd import ZstdDecompressor, ZstdError
+
+
+async def read_body(request, cap: int) -> bytes:
+    """The body's bytes, decoded per Content-Encoding; 413 past `cap`, 415 for an encoding
+    this server does not know, 400 for a corrupt one."""
+    raw = await request.get_data(cache=False)
+    if len(raw) > cap:
+        raise ApiError(413, f"the body is larger than {cap} bytes")
+    encoding = (request.headers.get("content-encoding") or "identity").strip().lower()
+    if encoding == "identity":
+        return raw
+    if encoding in ("gzip", "x-gzip"):
+        decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    elif encoding == "deflate":
+        decoder = zlib.decompressobj()
+    elif encoding == "zstd":
+        decoder = ZstdDecompressor()
+    else:
+        raise ApiError(415, f"Content-Encoding {encoding} is not supported (gzip, deflate, zstd)")
+    try:
+        body = decoder.decompress(raw, cap + 1)
+    except (zlib.error, ZstdError) as exc:
+        raise ApiError(400, f"the {encoding} body cannot be decompressed: {exc}") from None
+    if len(body) > cap:
+        raise ApiError(413, f"the decompressed body is larger than {cap} bytes")
+    if not decoder.eof:
+        raise ApiError(400, f"the {encoding} body is truncated")
+    return body
