@@ -15,6 +15,7 @@ ROUTES = [
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/v1/responses",
+    "/v1/systemone",
 ]
 FIELDS = [
     "model", "messages", "prompt", "input", "system", "instructions", "tools", "tool_choice",
@@ -22,7 +23,7 @@ FIELDS = [
     "max_tokens", "max_completion_tokens", "max_output_tokens", "thinking", "reasoning",
     "chat_template_kwargs", "enable_thinking", "response_format", "text", "include",
     "logprobs", "top_logprobs", "stream_options", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "output_config", "parallel_tool_calls",
+    "repetition_penalty", "output_config", "parallel_tool_calls", "state", "questions",
 ]  # fmt: skip
 
 scalars = st.one_of(
@@ -30,14 +31,16 @@ scalars = st.one_of(
     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20),
     st.sampled_from(["user", "assistant", "system", "tool", "text", "function", "auto", "none",
                      "required", "tool_use", "tool_result", "message", "function_call",
-                     "input_text", "image_url", "<tool_call>", "<think>"]),
+                     "input_text", "image_url", "<tool_call>", "<think>", "jev-latest",
+                     "noul", "choice", "score"]),
 )  # fmt: skip
 json_values = st.recursive(
     scalars,
     lambda inner: st.one_of(
         st.lists(inner, max_size=4),
         st.dictionaries(st.one_of(st.sampled_from(["role", "content", "type", "text", "name",
-                                                   "arguments", "input", "function", "id"]),
+                                                   "arguments", "input", "function", "id",
+                                                   "instructions", "criteria", "true"]),
                                   st.text(max_size=8)), inner, max_size=4),
     ),
     max_leaves=20,
@@ -61,5 +64,7 @@ def test_any_json_body_is_a_request_or_a_4xx(fuzz_server, route, body):
         error = r.json()
         if route.startswith("/v1/messages"):
             assert error["type"] == "error" and error["error"]["message"]
+        elif route == "/v1/systemone":  # seed 004's ErrorResponse
+            assert error["error"]["message"] and error["error"]["code"]
         else:
             assert error["error"]["message"] and error["error"]["type"]

@@ -81,6 +81,22 @@ def test_disconnect_mid_prefill_frees_the_slot(slow_server):
     assert r.json()["timings"]["queue_ms"] < 500
 
 
+def decision_body(state="A support ticket.") -> dict:
+    questions = {"q": {"type": "noul", "instructions": "Is it urgent?"}}
+    return {"model": "jev-latest", "state": state, "questions": questions}
+
+
+def test_disconnect_mid_decision_frees_the_slot(slow_server):
+    url = slow_server.url
+    sock = rawhttp.connect(url)
+    rawhttp.post_json(sock, "/v1/systemone", decision_body("Paris is in France. " * 60))
+    wait_for(lambda: health(url)["live_rows"] == 1, timeout=5)
+    sock.close()
+    wait_for(lambda: health(url)["live_rows"] == 0, timeout=1.0)
+    r = httpx.post(url + "/v1/systemone", json=decision_body(), timeout=30)
+    assert r.status_code == 200
+
+
 def test_disconnect_while_queued_frees_the_queue_place(slow_server):
     url = slow_server.url
     running = rawhttp.connect(url)
@@ -158,6 +174,10 @@ async def test_32_waiting_then_429_with_retry_after(slow_server):
             m = await http.post("/v1/messages", json=chat_body(max_tokens=1))
             assert m.status_code == 429 and m.headers["Retry-After"]
             assert m.json()["error"]["type"] == "rate_limit_error"
+            # And on /v1/systemone, in seed 004's shape: 529 overloaded.
+            d = await http.post("/v1/systemone", json=decision_body())
+            assert d.status_code == 529 and int(d.headers["Retry-After"]) >= 1
+            assert d.json()["error"]["code"] == "overloaded"
             holder.close()  # the slot frees; the 32 run one by one
     assert statuses.count(429) == 8
     assert statuses.count(200) == 32

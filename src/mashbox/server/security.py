@@ -22,7 +22,7 @@ import attrs
 
 from .errors import ApiError
 
-OPEN_PATHS = frozenset({"/", "/health"})  # health for local probes: no key, no Host check
+OPEN_PATHS = frozenset({"/", "/health", "/health/live"})  # probes: no key, no Host check
 # Seed 001 marks these `security: []`: they describe the server, never run the model.
 KEYLESS_PATHS = frozenset({"/v1/capabilities", "/v1/openapi.json"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
