@@ -26,15 +26,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 
-async def one_stream(url: str, tokens: int, seed: int) -> dict:
+async def one_stream(url: str, tokens: int, seed: int, extra: dict | None = None) -> dict:
     body = {
         "messages": [{"role": "user", "content": f"{PROMPT} ({seed})"}],
         "max_tokens": tokens,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),  # fields another server needs (bench/vs_llama.py)
     }
     first = last = None
+    pieces = 0  # content chunks: the token count for servers that send no usage
     usage = timings = None
     async with httpx.AsyncClient(timeout=600) as http:
         async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -46,20 +48,27 @@ async def one_stream(url: str, tokens: int, seed: int) -> dict:
                 if event["choices"] and event["choices"][0]["delta"].get("content"):
                     first = first or now
                     last = now
+                    pieces += 1
                 if event.get("usage"):
                     usage, timings = event["usage"], event["timings"]
-    return {"first": first, "last": last, "usage": usage, "timings": timings}
+    return {"first": first, "last": last, "usage": usage, "timings": timings, "pieces": pieces}
 
 
-async def run_streams(url: str, n: int, tokens: int) -> dict:
+async def gather_streams(url: str, n: int, tokens: int, extra: dict | None = None) -> list[dict]:
+    """Run n streams at once; one_stream's result for each."""
     results = []
 
     async def worker(i):
-        results.append(await one_stream(url, tokens, i))
+        results.append(await one_stream(url, tokens, i, extra))
 
     async with trio.open_nursery() as nursery:
         for i in range(n):
             nursery.start_soon(worker, i)
+    return results
+
+
+async def run_streams(url: str, n: int, tokens: int) -> dict:
+    results = await gather_streams(url, n, tokens)
     per_stream = [r["timings"]["predicted_per_second"] for r in results]
     wall = max(r["last"] for r in results) - min(r["first"] for r in results)
     generated = sum(r["usage"]["completion_tokens"] - 1 for r in results)

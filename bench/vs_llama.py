@@ -1,0 +1,308 @@
+"""Side-by-side: mashbox and llama.cpp (llama-cpp-python's server) on the same GGUF.
+
+Installs llama-cpp-python into its own venv on first use (a native CPU build of llama.cpp),
+then starts each server in turn, never both at once, and measures decode tok/s through HTTP
+with decode_http.py's client, and time to first token on a long cold prompt.
+
+    .venv/bin/python bench/vs_llama.py                  # default model, 1/4/8 streams + TTFT
+    .venv/bin/python bench/vs_llama.py --server-args "--decode-weights int8"
+    .venv/bin/python bench/vs_llama.py --install-only   # just build llama-cpp-python
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import decode_http  # puts tests/ on sys.path for serverproc
+import httpx
+import trio
+
+BENCH = Path(__file__).resolve().parent
+LLAMA_PACKAGE = "llama-cpp-python[server]"
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def has_llama(venv: Path) -> bool:
+    py = venv_python(venv)
+    if not py.exists():
+        return False
+    check = [str(py), "-c", "import llama_cpp, llama_cpp.server"]
+    return subprocess.run(check, capture_output=True).returncode == 0
+
+
+def build_env(venv: Path) -> dict:
+    """Environment for pip's build of llama.cpp: a native CPU build on all cores here."""
+    if not (shutil.which("c++") or shutil.which("g++")):
+        raise SystemExit("no C++ compiler (c++/g++) on PATH: llama-cpp-python builds from source")
+    env = dict(os.environ)
+    env["CMAKE_ARGS"] = env.get("CMAKE_ARGS", "-DGGML_NATIVE=ON")
+    env["CMAKE_BUILD_PARALLEL_LEVEL"] = str(os.cpu_count() or 2)
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"  # the venv's cmake, if installed
+    return env
+
+
+def install_llama(venv: Path) -> float:
+    """Create the venv and build llama-cpp-python into it; return the seconds it took."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    log = venv / "install.log"
+    print(f"installing {LLAMA_PACKAGE} into {venv} (log: {log}); the build takes a while")
+    pip = [str(venv_python(venv)), "-m", "pip", "install"]
+    env = build_env(venv)
+    with open(log, "w") as out:
+        # PyPI serves only the sdist: pip runs cmake, which must exist before the build.
+        if not shutil.which("cmake"):
+            subprocess.run([*pip, "cmake"], check=True, stdout=out, stderr=subprocess.STDOUT)
+        done = subprocess.run([*pip, "-v", LLAMA_PACKAGE], env=env, stdout=out, stderr=out)
+    if done.returncode != 0:
+        raise SystemExit(f"pip install {LLAMA_PACKAGE} failed; see {log}")
+    seconds = time.perf_counter() - t0
+    (venv / "install-seconds").write_text(f"{seconds:.0f}\n")  # for later runs' reports
+    print(f"installed {LLAMA_PACKAGE} in {seconds:.0f} s")
+    return seconds
+
+
+def ensure_llama(venv: Path) -> None:
+    """Install llama-cpp-python unless the venv already has it."""
+    if not has_llama(venv):
+        install_llama(venv)
+        return
+    took = venv / "install-seconds"
+    when = f"; its install took {took.read_text().strip()} s" if took.exists() else ""
+    print(f"llama-cpp-python already in {venv}{when}")
+
+
+# Dead ends of a turn in common chat vocabularies; those that are one token in this GGUF are
+# banned on llama-cpp-python, which drops mashbox's ignore_eos field and stops at any of them.
+END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>")
+# llama-server on issue 13's machine, as the issue quotes it (pp512 for prefill).
+REFERENCE = {"1 stream": 86, "4 streams total": 109, "8 streams total": 135, "prefill": 243}
+SEA = ("north", "east", "south", "west", "north-east", "south-east", "south-west", "north-west")
+TOKENS_PER_SENTENCE = 30  # of long_prompt's sentences in SmolLM2's tokenizer, measured
+
+
+def model_file(name: str) -> Path:
+    """The GGUF both servers load: mashbox's registry resolves (and fetches) the id."""
+    from mashbox import registry
+
+    return registry.fetch(registry.resolve(name), registry.default_models_dir())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_llama(args, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """Start llama-cpp-python's OpenAI server; requests queue rather than interrupt."""
+    port = free_port()
+    # interrupt_requests (default on) ends a running stream when another request arrives.
+    cmd = [
+        str(venv_python(args.llama_venv)), "-m", "llama_cpp.server", "--model", str(model),
+        "--n_ctx", str(args.ctx), "--n_threads", str(args.threads),
+        "--n_threads_batch", str(args.threads), "--port", str(port),
+        "--interrupt_requests", "False",
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/v1/models", proc, log)
+    return proc, url
+
+
+def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"llama-cpp-python server exited; see {log}")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"llama-cpp-python server not ready in {timeout} s; see {log}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def end_token_bias(url: str) -> dict:
+    """logit_bias banning the end markers that are single tokens in the served vocabulary."""
+    bias = {}
+    for marker in END_MARKERS:
+        ids = httpx.post(url + "/extras/tokenize", json={"input": marker}).json()["tokens"]
+        if len(ids) == 1:
+            bias[str(ids[0])] = -1e9
+    return bias
+
+
+def stream_rates(results: list[dict]) -> dict:
+    """Client-clock rates, the same for both servers (llama-cpp-python sends no timings)."""
+    counts = [r["usage"]["completion_tokens"] if r["usage"] else r["pieces"] for r in results]
+    # Decode speed: every token after a stream's first, over first-to-last token time.
+    per_stream = [(c - 1) / (r["last"] - r["first"]) for c, r in zip(counts, results, strict=True)]
+    wall = max(r["last"] for r in results) - min(r["first"] for r in results)
+    spans = sorted((r["first"], r["last"]) for r in results)
+    overlap = any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False))
+    return {
+        "per_stream": sum(per_stream) / len(results),
+        "total": sum(c - 1 for c in counts) / wall,
+        "counts": counts,
+        "one_at_a_time": len(results) > 1 and not overlap,
+    }
+
+
+def long_prompt(nonce: int, tokens: int) -> str:
+    """About `tokens` tokens of plain prose, opening with nonce so no cached prefix applies."""
+    lines = [f"{nonce}: the keeper's log."]  # digits are single tokens: differs at token 1
+    for i in range(tokens // TOKENS_PER_SENTENCE):
+        lines.append(
+            f"Entry {i}: the keeper saw wind from the {SEA[i % 8]}, waves of {i % 7 + 1} feet,"
+            f" and {(i * 37) % 101} gulls near the rocks."
+        )
+    return " ".join(lines) + "\nSummarise the log in one line:"
+
+
+def time_to_first_token(url: str, prompt: str) -> tuple[float, int]:
+    """Seconds until a 1-token completion of prompt is back, and the prompt's token count."""
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", json=body, timeout=900)
+    seconds = time.perf_counter() - t0
+    r.raise_for_status()
+    return seconds, r.json()["usage"]["prompt_tokens"]
+
+
+def measure(url: str, args, extra: dict) -> dict:
+    """Decode at each stream count, then cold TTFT; the same requests for either server."""
+    out = {"load": os.getloadavg()[0]}
+    trio.run(decode_http.gather_streams, url, 1, 8, extra)  # warm-up
+    for n in args.streams:
+        out[n] = stream_rates(trio.run(decode_http.gather_streams, url, n, args.tokens, extra))
+        print(f"  {n} streams: {out[n]}", flush=True)
+    runs = [
+        time_to_first_token(url, long_prompt(nonce, args.prompt_tokens))
+        for nonce in range(1, args.ttft_runs + 1)
+    ]
+    print(f"  TTFT runs (s, prompt tokens): {runs}", flush=True)
+    out["ttft"] = statistics.median(s for s, _ in runs)
+    out["prompt_tokens"] = runs[0][1]
+    return out
+
+
+def measure_llama(args, model: Path) -> dict:
+    log = args.llama_venv / "server.log"
+    proc, url = start_llama(args, model, log)
+    try:
+        extra = {} if args.llama_keep_eos else {"logit_bias": end_token_bias(url)}
+        print(f"llama-cpp-python at {url} (log {log}); extra request fields {extra}", flush=True)
+        return measure(url, args, extra)
+    finally:
+        stop(proc)
+
+
+def measure_mashbox(args) -> dict:
+    from serverproc import ServerProcess
+
+    slots = str(max(args.streams))
+    flags = ["--slots", slots, "--ctx", str(args.ctx), "--threads", str(args.threads)]
+    proc = ServerProcess(args.model, *flags, *args.server_args.split())
+    try:
+        url = proc.wait_ready(900)
+        print(f"mashbox at {url} ({' '.join(flags)} {args.server_args})", flush=True)
+        return measure(url, args, {})
+    finally:
+        proc.stop()
+
+
+def rows(args, base: dict, mash: dict) -> list[tuple]:
+    """(metric, llama-cpp-python, mashbox, reference) for each line of the table."""
+    out = []
+    for n in args.streams:
+        label = "1 stream" if n == 1 else f"{n} streams total"
+        ref = REFERENCE.get(label)
+        out.append((f"decode {label} tok/s", base[n]["total"], mash[n]["total"], ref))
+        if n > 1:
+            per = (base[n]["per_stream"], mash[n]["per_stream"])
+            out.append((f"decode {n} streams tok/s/stream", *per, None))
+    prefill = [r["prompt_tokens"] / r["ttft"] for r in (base, mash)]
+    name = f"prefill tok/s, {base['prompt_tokens']}-token prompt (ref: pp512)"
+    out.append((name, *prefill, REFERENCE["prefill"]))
+    out.append((f"TTFT s, {base['prompt_tokens']}-token prompt", base["ttft"], mash["ttft"], None))
+    return out
+
+
+def ratio(name: str, baseline: float, mashbox: float) -> float:
+    # A time is better when smaller: its ratio is baseline / mashbox, so > 1 favours mashbox.
+    return baseline / mashbox if name.startswith("TTFT") else mashbox / baseline
+
+
+def print_table(args, base: dict, mash: dict) -> None:
+    print("\n| metric | llama-cpp-python | mashbox | ratio (> 1: mashbox better) | ", end="")
+    print("llama-server (issue 13) |\n|---|---|---|---|---|")
+    for name, b, m, ref in rows(args, base, mash):
+        fmt = ".2f" if name.startswith("TTFT") else ".1f"
+        refs = "-" if ref is None else f"{ref}"
+        print(f"| {name} | {b:{fmt}} | {m:{fmt}} | {ratio(name, b, m):.2f} | {refs} |")
+    print(f"TTFT: median of {args.ttft_runs} cold runs; prompt tokens: llama-cpp-python ", end="")
+    print(f"{base['prompt_tokens']}, mashbox {mash['prompt_tokens']}")
+    for n in args.streams:
+        print(f"tokens per stream at {n}: llama-cpp-python {base[n]['counts']}, ", end="")
+        print(f"mashbox {mash[n]['counts']}")
+        if base[n]["one_at_a_time"]:
+            print(f"  llama-cpp-python served the {n} streams one after another (serialized)")
+    loads = f"llama run {base['load']:.2f}, mashbox run {mash['load']:.2f}"
+    print(f"1-min load average at start: {loads}, end {os.getloadavg()[0]:.2f}", end="")
+    print(f" ({os.cpu_count()} cores: above ~1.5 on 2 cores is a busy machine)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="registry id")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=2000, help="of the TTFT prompt")
+    parser.add_argument("--ttft-runs", type=int, default=3, help="cold runs; the median counts")
+    parser.add_argument("--ctx", type=int, default=2560, help="both servers' context")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument(
+        "--server-args", default="", help='more `mashbox run` flags, e.g. "--decode-weights int8"'
+    )
+    parser.add_argument("--llama-venv", type=Path, default=BENCH / ".venv-llama")
+    parser.add_argument(
+        "--llama-keep-eos", action="store_true", help="do not ban end tokens on llama-cpp-python"
+    )
+    parser.add_argument("--install-only", action="store_true")
+    args = parser.parse_args()
+    ensure_llama(args.llama_venv)
+    if args.install_only:
+        return
+    model = model_file(args.model)
+    print(f"model file {model}; {args.tokens} tokens a stream; streams {args.streams}")
+    base = measure_llama(args, model)
+    mash = measure_mashbox(args)
+    print_table(args, base, mash)
+
+
+if __name__ == "__main__":
+    main()
