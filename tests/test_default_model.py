@@ -52,3 +52,32 @@ def test_embeddings_place_a_paraphrase_nearer_than_an_unrelated_sentence(default
         return sum(p * q for p, q in zip(x, y, strict=True))  # unit vectors
 
     assert cos(a, b) > cos(a, c)
+
+
+def test_typed_decisions_on_the_real_model(default_server):
+    """The TypeSafe client against the real model; a question's answer is the same bits
+    whatever other questions share its request (dimensions where small-batch matmuls round
+    differently, unlike the tiny test models)."""
+    from typesafe_sdk import Choice, Noul, RetryPolicy, Score, TypeSafeClient
+
+    state = "Order 1182: the customer was charged twice and asks for a refund of the duplicate."
+    questions = {
+        "refund": Noul(instructions="Does the customer ask for a refund?"),
+        "team": Choice(
+            instructions="Which team handles this?",
+            criteria={"billing": "Payments and refunds", "shipping": "Deliveries", "tech": None},
+        ),
+        "urgency": Score(instructions="How urgent is it?", criteria=["low", "medium", "high"]),
+    }
+    with TypeSafeClient(
+        api_key="k", base_url=default_server.url, retry=RetryPolicy(max_retries=0), timeout=300
+    ) as client:
+        first = client.system_one(state=state, questions=questions)
+        others = {f"extra{i}": Noul(instructions=f"Is point {i} about shipping?") for i in range(7)}
+        mixed = client.system_one(
+            state=state, questions={**others, "u": questions["urgency"], "r": questions["refund"]}
+        )
+    assert first.usage.output_tokens == 4
+    assert sum(first.choices["team"].probabilities.values()) == pytest.approx(1.0)
+    assert mixed.scores["u"] == first.scores["urgency"]
+    assert mixed.nouls["r"] == first.nouls["refund"]

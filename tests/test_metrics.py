@@ -21,6 +21,7 @@ COUNTERS = [
     "request_success",
     "prompt_tokens",
     "generation_tokens",
+    "forward_passes",
     "prefix_cache_queries",
     "prefix_cache_hits",
     "num_preemptions",
@@ -119,6 +120,7 @@ def test_counters_and_histograms_move_by_the_requests(server):
     cached = sum(u["cached"] for u in usages)
     assert usages[1]["cached"] > 0
     assert moved("generation_tokens_total") == 6
+    assert moved("forward_passes_total") == 6  # each: one prefill chunk, two decodes
     assert moved("prompt_tokens_total") == prompt
     assert moved("prefix_cache_queries_total") == prompt
     assert moved("prefix_cache_hits_total") == cached

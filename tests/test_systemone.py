@@ -418,7 +418,7 @@ def test_a_repeated_state_is_read_from_the_prefix_cache(decision_server):
     assert again["other"]["type"] == "score"
     new_hits = metric(decision_server, "mashbox:prefix_cache_hits_total") - hits
     new_queries = metric(decision_server, "mashbox:prefix_cache_queries_total") - queries
-    assert new_hits == new_queries - 1  # all but the one token that is always run
+    assert new_hits == new_queries > 0  # a decision reads after the prefix: all of it cached
 
 
 # --- the pure parts ------------------------------------------------------------------------

@@ -117,6 +117,7 @@ class StepResult:
     embeddings: dict[int, tuple[float, ...]] = attrs.Factory(dict)
     # Decisions: slot -> per branch, per read, the candidates' float32 log-probs.
     decisions: dict[int, tuple[tuple[tuple[float, ...], ...], ...]] = attrs.Factory(dict)
+    forwards: int = 0  # model forward passes the step ran (prefill chunks, decode, reads)
 
 
 @attrs.frozen

@@ -190,9 +190,10 @@ class Observer:
     def admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
         """A request got a slot: a prefix cache lookup of `prompt_tokens`, `cached_tokens` hit."""
 
-    def stepped(self, prompt_tokens: int, generated_tokens: int) -> None:
+    def stepped(self, prompt_tokens: int, generated_tokens: int, forwards: int = 0) -> None:
         """One engine step: prompts fully prefilled in it (whole prompt lengths, cached part
-        included) and tokens it generated for requests still running."""
+        included), tokens it generated for requests still running, and the model forward
+        passes it ran."""
 
     def finished(
         self, done: Finished, *, queue_s: float, ttft_s: float, e2e_s: float, tpot_s: float | None
@@ -420,15 +421,17 @@ class Scheduler:
                 return
             seq = self.waiting.popleft()
             prompt = seq.request.prompt_ids
+            # Generation runs at least its last prompt token (its logits give the first new
+            # token); a decision reads after the prefix and can take all of it from a cache.
+            reusable = len(prompt) - (0 if seq.request.branches else 1)
             # Longest shared prefix first; among equals the least recently used slot.
             slot = max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
             shared = common_prefix(slot.tokens, prompt)
             if seq.request.embed:
                 shared = 0  # pooling needs every position's hidden state: nothing is reused
             elif self.prompt_cache.enabled:
-                shared = self._swap_prefix(slot, prompt, shared)
-            # At least one prompt token is always prefilled: its logits give the first token.
-            seq.cached = min(shared, len(prompt) - 1)
+                shared = self._swap_prefix(slot, prompt, shared, reusable)
+            seq.cached = min(shared, reusable)
             del slot.tokens[seq.cached :]
             seq.prefilled = seq.cached
             self.observer.admitted(len(prompt), seq.cached)
@@ -436,7 +439,7 @@ class Scheduler:
             slot.seq, slot.last_used, seq.slot = seq, self._uses, slot
             seq.t_start = time.perf_counter()
 
-    def _swap_prefix(self, slot: Slot, prompt, shared: int) -> int:
+    def _swap_prefix(self, slot: Slot, prompt, shared: int, reusable: int) -> int:
         """Save what the slot holds before it is overwritten, then bring back the saved
         prefix that shares more of the prompt than the slot does; return the shared length."""
         cache = self.prompt_cache
@@ -445,7 +448,7 @@ class Scheduler:
             self._saves.append(Save(slot.index, entry.id, len(slot.tokens)))
             self._drops.extend(e.id for e in evicted)
         entry, n = cache.best(prompt)
-        n = min(n, len(prompt) - 1)
+        n = min(n, reusable)
         if entry is None or n <= shared:
             return shared
         cache.touch(entry)
@@ -468,12 +471,14 @@ class Scheduler:
             if not seq.admitted:
                 admits.append(Admit(slot.index, seq.request.params, seq.request.prompt_ids))
                 seq.admitted = True
-            if seq.decoding:
+            prompt = seq.request.prompt_ids
+            if seq.request.branches and seq.prefilled == len(prompt):
+                decides.append(Decide(slot.index, len(prompt), seq.request.branches))
+            elif seq.decoding:
                 if not seq.outbox:  # a reader that is behind sits out until it catches up
                     pos = len(seq.request.prompt_ids) + len(seq.output_ids) - 1
                     decodes.append(Decode(slot.index, seq.output_ids[-1], pos))
             elif budget > 0:
-                prompt = seq.request.prompt_ids
                 chunk = prompt[seq.prefilled : seq.prefilled + budget]
                 budget -= len(chunk)
                 last = seq.prefilled + len(chunk) == len(prompt)
@@ -483,7 +488,7 @@ class Scheduler:
                 if last and branches:  # read right after the chunk that completes the prefix
                     decides.append(Decide(slot.index, len(prompt), branches))
         moves = (tuple(self._saves), tuple(self._restores), tuple(self._drops))
-        if not (admits or prefills or decodes or any(moves)):
+        if not (admits or prefills or decodes or decides or any(moves)):
             return None
         self._saves, self._restores, self._drops = [], [], []
         self._steps += 1
@@ -525,7 +530,7 @@ class Scheduler:
             slot.tokens.append(d.token_id)
             generated += 1
             self._on_token(slot.seq, tokens[d.slot], now)
-        self.observer.stepped(prompt_tokens, generated)
+        self.observer.stepped(prompt_tokens, generated, result.forwards)
 
     def _on_token(self, seq: Sequence, token: int, now: float) -> None:
         if seq.t_first is None:

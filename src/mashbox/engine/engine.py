@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..protocol import Admit, Decide, EngineInfo, SamplingParams, Step, StepResult
+from . import int4
 from . import weights as weights_mod
 from .model import MIN_GEMM_ROWS, KVCache, Model
 from .sampling import apply_penalties, sample
@@ -62,7 +63,9 @@ class Engine:
         dtype=None,
         decode_weights: str = "float",
     ):
-        loaded = weights_mod.load(Path(path))
+        # int4 loads the file's own 4-bit blocks; everything else works from float tensors.
+        keep = int4.EXACT_QTYPES if decode_weights == "int4" else ()
+        loaded = weights_mod.load(Path(path), keep_blocks=keep)
         self.cfg = loaded.config
         # ctx 0: the model's trained context, capped so the default KV cache stays modest.
         ctx = ctx or min(self.cfg.max_context, DEFAULT_MAX_CTX)
@@ -74,13 +77,15 @@ class Engine:
             self.device,
             self.dtype,
             n_positions=ctx,
-            int8=decode_weights == "int8",
+            decode_weights=decode_weights,
+            blocks=loaded.blocks,
         )
         self.ctx = ctx
         self.cache = KVCache(self.cfg, slots, ctx, self.device, self.dtype)
         self.slots: list[_SlotState | None] = [None] * slots
         self.host_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # prompt cache
         self.pooled: dict[int, torch.Tensor] = {}  # embeddings: hidden-state sums so far
+        self._decide_forwards = 0  # decision forwards in the current step
         self.info = EngineInfo(
             arch=self.cfg.arch,
             n_params=loaded.n_params,
@@ -134,13 +139,16 @@ class Engine:
         decisions = {d.slot: self._decide(d) for d in step.decides}
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return StepResult(tokens, time.perf_counter() - t0, embeddings, decisions)
+        forwards = len(step.prefills) + bool(step.decodes) + self._decide_forwards
+        self._decide_forwards = 0
+        return StepResult(tokens, time.perf_counter() - t0, embeddings, decisions, forwards)
 
     def _decide(self, decide: Decide) -> tuple:
         """Each branch's candidate log-probs (float32, over the whole vocabulary), run in
         forwards of at most BRANCH_ROWS rows so a large request cannot exhaust memory."""
         out = []
         for group in _batches(decide.branches, BRANCH_ROWS):
+            self._decide_forwards += 1
             pairs = [(list(b.token_ids), list(b.leaves)) for b in group]
             hidden = self.model.branch(self.cache, decide.slot, decide.prefix, pairs)
             rows, start = [], 0

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import int4
 from .config import ModelConfig
 
 
@@ -58,8 +59,24 @@ class Int8Weight:
 
 
 def linear(x: Tensor, w, bias: Tensor | None = None) -> Tensor:
-    """F.linear, or the int8 decode path for an Int8Weight."""
-    return w(x, bias) if isinstance(w, Int8Weight) else F.linear(x, w, bias)
+    """F.linear, or the decode path of an Int8Weight / Int4Weight."""
+    return F.linear(x, w, bias) if isinstance(w, Tensor) else w(x, bias)
+
+
+# Each decode matrix and the file's tensors it is made of, concatenated along the output dim.
+DECODE_MATRICES = {
+    "wqkv": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+    "wo": ("attn_output.weight",),
+    "w_gate_up": ("ffn_gate.weight", "ffn_up.weight"),
+    "w_down": ("ffn_down.weight",),
+}
+
+
+def decode_weight(w: Tensor, blocks: list, kind: str):
+    """int4 from the file's own 4-bit blocks where every part has them; int8 otherwise."""
+    if kind == "int4" and int4.fits(blocks):
+        return int4.Int4Weight(w, blocks)
+    return Int8Weight(w)
 
 
 class KVCache:
@@ -95,8 +112,17 @@ class Model:
     """Weights as plain tensors and a forward pass over flat token batches."""
 
     def __init__(
-        self, cfg: ModelConfig, tensors: dict, device, dtype, n_positions: int = 0, int8=False
+        self,
+        cfg: ModelConfig,
+        tensors: dict,
+        device,
+        dtype,
+        n_positions: int = 0,
+        decode_weights: str = "float",
+        blocks: dict | None = None,
     ):
+        """decode_weights: "float", "int8", or "int4" (from `blocks`, weights.RawBlocks by
+        GGUF name; int8 for the matrices without 4-bit blocks)."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -136,11 +162,14 @@ class Model:
                 }
             )
         self.cos, self.sin = rope_tables(cfg, max(n_positions, cfg.max_context), self.device)
-        if int8:
-            for layer in self.layers:
-                for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-                    layer[name] = Int8Weight(layer[name])
-            self.lm_head = Int8Weight(self.lm_head)
+        if decode_weights != "float":
+            blocks = blocks or {}
+            for i, layer in enumerate(self.layers):
+                for name, parts in DECODE_MATRICES.items():
+                    parts_blocks = [blocks.get(f"blk.{i}.{part}") for part in parts]
+                    layer[name] = decode_weight(layer[name], parts_blocks, decode_weights)
+            head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+            self.lm_head = decode_weight(self.lm_head, [blocks.get(head)], decode_weights)
 
     def forward(self, token_ids: Tensor, positions: Tensor, attend) -> Tensor:
         """Run the decoder on flat tokens; `attend(layer, q, k, v)` owns the KV cache.
@@ -248,29 +277,39 @@ class Model:
             positions += [*range(prefix, prefix + n), *[prefix + n] * m]
         masks = {(n, m): _tree_mask(n, m, self.device) for _, n, m in spans}
         scale = self.cfg.head_dim**-0.5
-        groups = self.cfg.n_heads // self.cfg.n_kv_heads
+        kv_heads, groups = self.cfg.n_kv_heads, self.cfg.n_heads // self.cfg.n_kv_heads
+
+        def grouped(x: Tensor) -> Tensor:
+            """[rows, heads, dim] queries -> [1, kv_heads, groups * rows, dim]: each KV head
+            with the query heads that share it, so keys are never repeated."""
+            return x.float().transpose(0, 1).reshape(1, kv_heads, -1, x.shape[-1])
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            kp = cache.k[layer, slot, :, :prefix].float()  # [kv_heads, prefix, head_dim]
-            vp = cache.v[layer, slot, :, :prefix].float()
-            out = []
+            rows = q.shape[0]
+            # Every row against the shared prefix at once, read in place from the slot...
+            kp = cache.k[layer, slot, :, :prefix].float()[None]
+            vp = cache.v[layer, slot, :, :prefix].float()[None]
+            out_p, lse_p = _attention(grouped(q), kp, vp, None, scale)
+            # ...and each branch against its own rows only.
+            own = []
             for start, n, m in spans:
-                rows = n + m
-                # Query heads grouped by their KV head: [kv_heads, groups * rows, head_dim].
-                qb = q[start : start + rows].float().transpose(0, 1)
-                qb = qb.reshape(self.cfg.n_kv_heads, groups * rows, -1)
-                kb = k[start : start + rows].float().transpose(0, 1)
-                vb = v[start : start + rows].float().transpose(0, 1)
-                own = (qb @ kb.transpose(1, 2)) * scale
-                own = own.masked_fill(~masks[n, m].repeat(groups, 1), -math.inf)
-                shared = (qb @ kp.transpose(1, 2)) * scale
-                # One softmax over the prefix's keys and the branch's own keys.
-                top = torch.maximum(shared.amax(-1, keepdim=True), own.amax(-1, keepdim=True))
-                es, eo = (shared - top).exp(), (own - top).exp()
-                mixed = (es @ vp + eo @ vb) / (es.sum(-1, keepdim=True) + eo.sum(-1, keepdim=True))
-                mixed = mixed.reshape(self.cfg.n_heads, rows, -1).transpose(0, 1)
-                out.append(mixed.reshape(rows, -1).to(q.dtype))
-            return torch.cat(out)
+                end = start + n + m
+                kb, vb = (x[start:end].float().transpose(0, 1)[None] for x in (k, v))
+                mask = masks[n, m].repeat(groups, 1)
+                own.append(_attention(grouped(q[start:end]), kb, vb, mask, scale))
+            split = (kv_heads, groups, -1)
+            out_p, lse_p = out_p.reshape(*split, out_p.shape[-1]), lse_p.reshape(split)
+            out_o = torch.cat([o.reshape(*split, o.shape[-1]) for o, _ in own], dim=2)
+            lse_o = torch.cat([lse.reshape(split) for _, lse in own], dim=2)
+            # One softmax over both key sets: weight each part by its share of the mass.
+            lse = torch.logaddexp(lse_p, lse_o)
+            out = out_p * (lse_p - lse).exp()[..., None] + out_o * (lse_o - lse).exp()[..., None]
+            return (
+                out.reshape(self.cfg.n_heads, rows, -1)
+                .transpose(0, 1)
+                .reshape(rows, -1)
+                .to(q.dtype)
+            )
 
         token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -282,9 +321,22 @@ MIN_GEMM_ROWS = 16
 
 
 def _tree_mask(n: int, m: int, device) -> Tensor:
-    """Which of a branch's own rows each row sees: the suffix causally, each leaf the whole
-    suffix and itself."""
+    """An additive mask over a branch's own rows: the suffix causal, each leaf seeing the
+    whole suffix and itself."""
     rows = n + m
-    mask = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
-    mask[n:, n:] = torch.eye(m, dtype=torch.bool, device=device)
-    return mask
+    sees = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
+    sees[n:, n:] = torch.eye(m, dtype=torch.bool, device=device)
+    return torch.zeros(rows, rows, device=device).masked_fill(~sees, -math.inf)
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float):
+    """Attention output and each row's log-sum-exp (float32, [1, heads, rows, ...]): the
+    fused CPU kernel where there is one, plain math elsewhere."""
+    if q.device.type == "cpu":
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        return flash(q, k, v, attn_mask=mask, scale=scale)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask
+    lse = scores.logsumexp(-1)
+    return (scores - lse[..., None]).exp() @ v, lse

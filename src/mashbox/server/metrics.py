@@ -66,6 +66,10 @@ class Metrics(Observer):
             "mashbox:prompt_tokens", "Prompt tokens of requests prefilled (cached ones included)."
         )
         self.generation_tokens = counter("mashbox:generation_tokens", "Tokens generated.")
+        self.forward_passes = counter(
+            "mashbox:forward_passes",
+            "Model forward passes run: prefill chunks, decode batches, decision reads.",
+        )
         self.prefix_cache_queries = counter(
             "mashbox:prefix_cache_queries",
             "Prefix cache lookups, in tokens: the prompt tokens of each request given a slot.",
@@ -106,7 +110,8 @@ class Metrics(Observer):
         self.prefix_cache_queries.inc(prompt_tokens)
         self.prefix_cache_hits.inc(cached_tokens)
 
-    def stepped(self, prompt_tokens: int, generated_tokens: int) -> None:
+    def stepped(self, prompt_tokens: int, generated_tokens: int, forwards: int = 0) -> None:
+        self.forward_passes.inc(forwards)
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
         if generated_tokens:
