@@ -69,8 +69,12 @@ def write_gguf(
     n_kv_heads: int = 2,
     context: int = 512,
     quantize: bool = False,
+    qtype_of=None,
 ) -> Path:
-    """Write `weights` as a GGUF file; add_tokenizer(writer) adds the tokenizer metadata."""
+    """Write `weights` as a GGUF file; add_tokenizer(writer) adds the tokenizer metadata.
+
+    quantize writes the matrices as Q8_0; qtype_of(name) -> a GGMLQuantizationType (or None
+    for float32) picks each matrix's type instead."""
     d_model = weights["token_embd.weight"].shape[1]
     n_layers = sum(1 for k in weights if k.endswith("attn_norm.weight"))
     d_ff = weights["blk.0.ffn_gate.weight"].shape[0]
@@ -88,10 +92,11 @@ def write_gguf(
     for name, array in weights.items():
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             array = permute_rope_rows(array, n_heads if "attn_q" in name else n_kv_heads)
-        if quantize and array.ndim == 2 and array.shape[1] % 32 == 0:
-            # Q8_0 keeps tiny models' outputs close to the float weights while testing dequant.
-            q = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        # Q8_0 keeps tiny models' outputs close to the float weights while testing dequant.
+        qtype = qtype_of(name) if qtype_of else gguf.GGMLQuantizationType.Q8_0 if quantize else None
+        if qtype is not None and array.ndim == 2 and array.shape[1] % 32 == 0:
+            q = gguf.quants.quantize(array, qtype)
+            writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
         else:
             writer.add_tensor(name, np.ascontiguousarray(array))
     writer.write_header_to_file()

@@ -52,10 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--decode-weights",
-        choices=["float", "int8"],
+        choices=["float", "int8", "int4"],
         default="float",
-        help="int8: decode steps read int8 per-channel weights (2.2x faster on the CPU here; "
-        "greedy text can differ from float after a few tokens, see README) (default float)",
+        help="int8: decode steps read int8 per-channel weights (2.2x faster on the CPU here); "
+        "int4 (CPU only): the GGUF's own Q4_0/Q4_1 blocks, int8 for other matrices; greedy "
+        "text can differ from float after a few tokens, see README (default float)",
     )
     run.add_argument(
         "--cache-ram",

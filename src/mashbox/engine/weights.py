@@ -9,14 +9,25 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from pathlib import Path
 
 import attrs
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import gguf_file
 from .config import ModelConfig, from_gguf_fields, from_hf_config
 from .dequant import dequantize
+
+
+@attrs.frozen
+class RawBlocks:
+    """A matrix's quantized blocks as stored: uint8 [rows, blocks per row, block bytes]."""
+
+    qtype: GGMLQuantizationType
+    data: torch.Tensor
 
 
 @attrs.frozen
@@ -28,15 +39,19 @@ class LoadedWeights:
     file_bytes: int
     n_params: int
 
+    # The file's own blocks of the matrices whose type was in `keep_blocks` (GGUF only), in
+    # the same row order as `tensors`: the int4 decode path loads Q4_0/Q4_1 exactly from them.
+    blocks: dict[str, RawBlocks] = attrs.field(factory=dict)
+
     @property
     def bits_per_weight(self) -> float:
         return 8.0 * self.file_bytes / max(self.n_params, 1)
 
 
-def load(path: Path) -> LoadedWeights:
+def load(path: Path, keep_blocks: Collection[GGMLQuantizationType] = ()) -> LoadedWeights:
     """Load a .gguf file or a Hugging Face folder."""
     path = Path(path)
-    return load_hf_folder(path) if path.is_dir() else load_gguf(path)
+    return load_hf_folder(path) if path.is_dir() else load_gguf(path, keep_blocks)
 
 
 def unpermute_rope_rows(w, n_heads: int):
@@ -53,14 +68,19 @@ def permute_rope_rows(w, n_heads: int):
     return w.reshape(rows, *w.shape[3:])
 
 
-def load_gguf(path: Path) -> LoadedWeights:
-    """Dequantize every tensor of a GGUF file to float32."""
+def load_gguf(path: Path, keep_blocks: Collection[GGMLQuantizationType] = ()) -> LoadedWeights:
+    """Dequantize every tensor of a GGUF file to float32 (and keep the raw blocks of the
+    matrices whose type is in `keep_blocks`)."""
     fields, infos = gguf_file.read(path)
-    tensors = {}
+    tensors, blocks = {}, {}
     n_params = 0
     for t in infos:
         tensors[t.name] = dequantize(t.data, t.qtype, t.shape)
         n_params += tensors[t.name].numel()
+        if t.qtype in keep_blocks and len(t.shape) == 2:
+            block_bytes = GGML_QUANT_SIZES[t.qtype][1]
+            data = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # a copy off the mmap
+            blocks[t.name] = RawBlocks(t.qtype, data.reshape(t.shape[0], -1, block_bytes))
     vocab_size = tensors["token_embd.weight"].shape[0]
     config = from_gguf_fields(
         fields,
@@ -72,9 +92,14 @@ def load_gguf(path: Path) -> LoadedWeights:
         # llama.cpp's converter permutes Q/K for its interleaved RoPE; qwen GGUFs are not permuted.
         for i in range(config.n_layers):
             q, k = f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight"
-            tensors[q] = unpermute_rope_rows(tensors[q], config.n_heads)
-            tensors[k] = unpermute_rope_rows(tensors[k], config.n_kv_heads)
-    return LoadedWeights(config, tensors, file_bytes=path.stat().st_size, n_params=n_params)
+            for name, heads in ((q, config.n_heads), (k, config.n_kv_heads)):
+                tensors[name] = unpermute_rope_rows(tensors[name], heads)
+                if name in blocks:  # blocks run along a row: permuting rows moves whole blocks
+                    raw = blocks[name]
+                    blocks[name] = RawBlocks(raw.qtype, unpermute_rope_rows(raw.data, heads))
+    return LoadedWeights(
+        config, tensors, file_bytes=path.stat().st_size, n_params=n_params, blocks=blocks
+    )
 
 
 _HF_LAYER_NAMES = {
