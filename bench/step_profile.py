@@ -1,0 +1,77 @@
+"""Time one engine decode step per decode-weights kind and batch size, and profile one.
+
+    python bench/step_profile.py [--model PATH] [--kinds float int8 int4] [--batches 1 4 8]
+
+The Engine alone (no server): each slot is prefilled with the same 64-token prompt, then
+decode steps are timed at each batch size (min and median over --steps steps; the machine
+may be shared, so the min is the better estimate). Prints a torch.profiler table (top ops by
+self CPU time) of one batch-1 decode step of the last kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mashbox.engine.engine import Engine
+from mashbox.protocol import Admit, Decode, Prefill, SamplingParams, Step
+from mashbox.registry import DEFAULT_MODEL, default_models_dir, known_models
+
+DEFAULT = default_models_dir() / DEFAULT_MODEL / known_models()[DEFAULT_MODEL]["filename"]
+PROMPT = tuple(range(1000, 1064))
+
+
+def prepare(path: Path, kind: str, slots: int) -> Engine:
+    engine = Engine(path, slots=slots, ctx=1024, decode_weights=kind)
+    greedy = SamplingParams()
+    for s in range(slots):
+        engine.step(
+            Step(admits=(Admit(s, greedy, PROMPT),), prefills=(Prefill(s, 0, PROMPT, True),))
+        )
+    return engine
+
+
+def decode_step(engine: Engine, batch: int, position: int) -> float:
+    step = Step(decodes=tuple(Decode(s, 42, position) for s in range(batch)))
+    return engine.step(step).elapsed_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT)
+    parser.add_argument("--kinds", nargs="+", default=["float", "int8", "int4"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per batch size")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--top", type=int, default=15, help="rows of the profiler table")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, load {os.getloadavg()}")
+    engine = None
+    for kind in args.kinds:
+        t0 = time.perf_counter()
+        engine = prepare(args.model, kind, max(args.batches))
+        print(f"{kind}: loaded and prefilled in {time.perf_counter() - t0:.1f} s")
+        position = len(PROMPT)
+        for batch in args.batches:
+            decode_step(engine, batch, position)  # warm-up
+            times = [decode_step(engine, batch, position + 1 + i) for i in range(args.steps)]
+            position += args.steps + 1
+            print(
+                f"  batch {batch}: step min {min(times) * 1e3:.1f} ms, "
+                f"median {statistics.median(times) * 1e3:.1f} ms"
+            )
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        decode_step(engine, 1, position)
+    print(f"\nOne batch-1 decode step, {args.kinds[-1]} weights:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""int4 decode weights: loaded exactly from a GGUF's 4-bit blocks, and what bf16 costs."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mashbox import registry
+from mashbox.engine import weights as weights_mod
+from mashbox.engine.engine import Engine
+from mashbox.engine.int4 import EXACT_QTYPES, INT4_MAX_ROWS, Int4Weight, unpack
+from mashbox.engine.model import DECODE_MATRICES, Int8Weight
+
+from tinymodels import random_weights, write_gguf
+
+Q = gguf.GGMLQuantizationType
+EPS = 2.0**-8  # bf16 rounding: 8 significant bits, half an ulp of relative error
+REAL = (
+    registry.default_models_dir()
+    / registry.DEFAULT_MODEL
+    / registry.known_models()[registry.DEFAULT_MODEL]["filename"]
+)
+needs_real = pytest.mark.skipif(not REAL.is_file(), reason="the default model is not downloaded")
+
+
+def no_tokenizer(writer):
+    writer.add_tokenizer_model("gpt2")
+
+
+def tiny_gguf(path, qtype_of, vocab=96):
+    """A 2-layer Llama (Q/K rows permuted in the file, as llama.cpp writes them)."""
+    return write_gguf(path, random_weights(vocab=vocab, seed=5), no_tokenizer, qtype_of=qtype_of)
+
+
+@pytest.fixture(scope="module")
+def tiny4(tmp_path_factory):
+    """Every matrix Q4_1 but the output head, Q4_0."""
+    path = tmp_path_factory.mktemp("int4") / "q4.gguf"
+    return tiny_gguf(path, lambda name: Q.Q4_0 if name == "output.weight" else Q.Q4_1)
+
+
+def matrices(loaded, n_layers):
+    """(float reference, blocks of its parts) for each decode matrix, as Model merges them."""
+    for i in range(n_layers):
+        for parts in DECODE_MATRICES.values():
+            names = [f"blk.{i}.{p}" for p in parts]
+            w = torch.cat([loaded.tensors[n] for n in names])
+            yield w, [loaded.blocks[n] for n in names]
+
+
+def assert_bf16_bound(weight: Int4Weight, ref: torch.Tensor, blocks) -> None:
+    """The fast kernel's weights: (q - 8) * bf16(d) + bf16(zero), in float32, then rounded to
+    bf16 on the way out of the kernel. Rounding d and zero moves a weight by at most
+    e = EPS * (8 |d| + |zero|); the identity product's bf16 output adds EPS * |w|."""
+    q, d, zero = (torch.cat(t) for t in zip(*(unpack(b) for b in blocks), strict=True))
+    n, k = q.shape
+    groups = (n, k // 32, 32)
+    s16, z16 = d.bfloat16().float()[..., None], zero.bfloat16().float()[..., None]
+    expected = ((q.float() - 8).view(groups) * s16 + z16).view(n, k).bfloat16()
+    got = weight.dequantized()
+    assert torch.equal(got, expected)
+    e = (EPS * (8 * d.abs() + zero.abs()))[..., None].expand(groups).reshape(n, k)
+    assert ((got.float() - ref).abs() <= e + EPS * (ref.abs() + e)).all()
+
+
+def test_tiny_q4_blocks_load_exactly_in_float32_and_within_the_bf16_bound(tiny4):
+    loaded = weights_mod.load(tiny4, keep_blocks=EXACT_QTYPES)
+    assert set(loaded.blocks) == {n for n, t in loaded.tensors.items() if t.ndim == 2}
+    pairs = [
+        *matrices(loaded, 2),
+        (loaded.tensors["output.weight"], [loaded.blocks["output.weight"]]),
+    ]
+    for ref, blocks in pairs:
+        # float32 activations and scales: the kernel reproduces dequant.py's weights bit for bit.
+        assert torch.equal(Int4Weight(ref, blocks, dtype=torch.float32).dequantized(), ref)
+        assert_bf16_bound(Int4Weight(ref, blocks), ref, blocks)
+
+
+def test_int4_engine_uses_int4_where_blocks_allow_and_int8_elsewhere(tmp_path):
+    def qtype_of(name):
+        if name.endswith("attn_v.weight"):
+            return Q.Q8_0  # wqkv is cat(q, k, v): one part without 4-bit blocks
+        if name.endswith("ffn_down.weight"):
+            return None  # F32
+        return Q.Q4_0 if name.endswith("ffn_up.weight") else Q.Q4_1  # mixed 4-bit types merge
+
+    engine = Engine(
+        tiny_gguf(tmp_path / "m.gguf", qtype_of, vocab=97), slots=1, decode_weights="int4"
+    )
+    for layer in engine.model.layers:
+        assert isinstance(layer["wqkv"], Int8Weight)
+        assert isinstance(layer["wo"], Int4Weight)
+        assert isinstance(layer["w_gate_up"], Int4Weight)
+        assert isinstance(layer["w_down"], Int8Weight)
+    assert isinstance(engine.model.lm_head, Int8Weight)  # 97 rows: the kernel packs 16 at a time
+
+
+def test_int4_decode_is_close_and_prefill_stays_float(tiny4):
+    float_engine = Engine(tiny4, slots=1, ctx=64)
+    engine = Engine(tiny4, slots=1, ctx=64, decode_weights="int4")
+    assert isinstance(engine.model.lm_head, Int4Weight)
+    ids = torch.tensor([5, 17, 3, 88, 42, 7, 19, 60])
+    for e in (float_engine, engine):
+        e.model.prefill(e.cache, 0, 0, ids[:-1])
+    exact = float_engine.model.decode(float_engine.cache, [0], ids[-1:], torch.tensor([7]))
+    approx = engine.model.decode(engine.cache, [0], ids[-1:], torch.tensor([7]))
+    assert (approx - exact).norm() / exact.norm() < 0.02  # bf16 activations and scales
+    w = engine.model.layers[0]["w_gate_up"]
+    big = torch.randn(INT4_MAX_ROWS + 1, w.w.shape[1])
+    assert torch.equal(w(big), F.linear(big, w.w))  # prefill-sized batches: the float path
+
+
+@needs_real
+def test_real_q4_1_blocks_load_exactly():
+    loaded = weights_mod.load(REAL, keep_blocks=EXACT_QTYPES)
+    assert loaded.blocks and all(b.qtype == Q.Q4_1 for b in loaded.blocks.values())
+    # (q - 8) * d + zero, zero = m + 8 d, is q * d + m exactly in float32 when zero is: q * d
+    # has at most 15 significant bits, so the sum is rounded once, as dequant.py's is.
+    for name, blocks in loaded.blocks.items():
+        d = blocks.data[..., 0:2].contiguous().view(torch.float16).double()
+        m = blocks.data[..., 2:4].contiguous().view(torch.float16).double()
+        assert torch.equal((m + 8 * d).float().double(), m + 8 * d), name
+    # The kernel itself on layer 0's matrices (q and k rows un-permuted block by block).
+    for ref, blocks in matrices(loaded, 1):
+        if ref.numel() <= 960 * 576:  # the float32 kernel is slow: wqkv and wo are enough
+            assert torch.equal(Int4Weight(ref, blocks, dtype=torch.float32).dequantized(), ref)
+        assert_bf16_bound(Int4Weight(ref, blocks), ref, blocks)
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "Water boils at",
+]
+STEPS = 32
+
+
+@torch.inference_mode()
+def greedy_logits(engine: Engine, prompts: list[list[int]], forced=None) -> torch.Tensor:
+    """Logits [prompts, STEPS, vocab] of greedy decoding, all prompts as one decode batch;
+    with `forced` [prompts, STEPS], feed those tokens instead of the engine's own."""
+    model, cache = engine.model, engine.cache
+    first = [
+        model.logits(model.prefill(cache, s, 0, torch.tensor(p))[None])[0]
+        for s, p in enumerate(prompts)
+    ]
+    rows = [torch.stack(first)]
+    slots = list(range(len(prompts)))
+    for i in range(STEPS - 1):
+        ids = forced[:, i] if forced is not None else rows[-1].argmax(-1)
+        positions = torch.tensor([len(p) + i for p in prompts])
+        rows.append(model.logits(model.decode(cache, slots, ids, positions)))
+    return torch.stack(rows, dim=1)
+
+
+@pytest.mark.slow
+@needs_real
+def test_real_int4_greedy_against_float32():
+    """Where int4 and float32 greedy text part, and why: README "--decode-weights"."""
+    from mashbox.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(REAL)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    ref = greedy_logits(Engine(REAL, slots=len(prompts), ctx=128), prompts)
+    tokens = ref.argmax(-1)
+    # int4 fed the float32 path's tokens: free-running int4 text is the same up to the first
+    # step where its pick differs, and then it is another text.
+    int4 = greedy_logits(
+        Engine(REAL, slots=len(prompts), ctx=128, decode_weights="int4"), prompts, tokens
+    )
+    differs = int4.argmax(-1) != tokens
+    top2 = ref.topk(2, dim=-1).values
+    margin = top2[..., 0] - top2[..., 1]
+    print("agreed tokens per prompt:", [int(d.nonzero()[0]) if d.any() else STEPS for d in differs])
+    print("float32 margins where int4 picks another token:", margin[differs].tolist())
+    print("max |logit change|:", float((int4 - ref).abs().max()))
+    # bf16 activations and scales and the int8 head move logits by up to ~1; picks differ only
+    # at near-ties of the float32 path, and rarely.
+    assert float((int4 - ref).abs().max()) < 1.5
+    assert (margin[differs] < 0.3).all()
+    assert differs.sum() <= 0.1 * differs.numel()
+
+
+def test_cli_accepts_int4():
+    from mashbox.cli import _parser
+
+    assert _parser().parse_args(["run", "--decode-weights", "int4"]).decode_weights == "int4"
