@@ -67,14 +67,34 @@ async def gather_streams(url: str, n: int, tokens: int, extra: dict | None = Non
     return results
 
 
+def engine_counters(url: str) -> tuple[float, float]:
+    """(engine steps, seconds the engine spent in them) from the server's metrics."""
+    text = httpx.get(url + "/metrics").text
+    values = {}
+    for name in ("mashbox:engine_steps_total", "mashbox:engine_busy_seconds_total"):
+        values[name] = sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)
+        )
+    return values["mashbox:engine_steps_total"], values["mashbox:engine_busy_seconds_total"]
+
+
 async def run_streams(url: str, n: int, tokens: int) -> dict:
+    steps0, busy0 = engine_counters(url)
+    t0 = time.perf_counter()
     results = await gather_streams(url, n, tokens)
+    window = time.perf_counter() - t0
+    steps1, busy1 = engine_counters(url)
     per_stream = [r["timings"]["predicted_per_second"] for r in results]
     wall = max(r["last"] for r in results) - min(r["first"] for r in results)
     generated = sum(r["usage"]["completion_tokens"] - 1 for r in results)
+    steps, busy = steps1 - steps0, busy1 - busy0
     return {
         "per_stream": sum(per_stream) / n,  # server timings: first to last token of each
         "total_wall": generated / wall,  # client clock: every token after each first one
+        # Everything that is not the engine (HTTP, scheduler, IPC, detokenize, SSE), per
+        # step and as a share of the engine's own step time.
+        "step_ms": busy / steps * 1000,
+        "server_ms": (window - busy) / steps * 1000,
     }
 
 
@@ -104,7 +124,7 @@ async def main_async(args, url: str) -> None:
     await run_streams(url, 1, 8)  # warm-up
     print(
         f"{'streams':>7} {'tok/s/stream':>13} {'total tok/s':>12} {'vs 1 stream':>12} "
-        f"{'steps/s of limit':>17}"
+        f"{'steps/s of limit':>17} {'engine ms/step':>15} {'server ms/step':>15}"
     )
     base = None
     for n in args.streams:
@@ -112,7 +132,8 @@ async def main_async(args, url: str) -> None:
         base = base or r["total_wall"]
         print(
             f"{n:>7} {r['per_stream']:>13.1f} {r['total_wall']:>12.1f} "
-            f"{r['total_wall'] / base:>11.2f}x {r['per_stream'] / limit:>16.0%}"
+            f"{r['total_wall'] / base:>11.2f}x {r['per_stream'] / limit:>16.0%} "
+            f"{r['step_ms']:>15.1f} {r['server_ms']:>9.1f} ({r['server_ms'] / r['step_ms']:.0%})"
         )
 
 

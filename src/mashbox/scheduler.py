@@ -190,10 +190,12 @@ class Observer:
     def admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
         """A request got a slot: a prefix cache lookup of `prompt_tokens`, `cached_tokens` hit."""
 
-    def stepped(self, prompt_tokens: int, generated_tokens: int, forwards: int = 0) -> None:
+    def stepped(
+        self, prompt_tokens: int, generated_tokens: int, forwards: int = 0, engine_s: float = 0.0
+    ) -> None:
         """One engine step: prompts fully prefilled in it (whole prompt lengths, cached part
-        included), tokens it generated for requests still running, and the model forward
-        passes it ran."""
+        included), tokens it generated for requests still running, the model forward
+        passes it ran and the seconds the engine spent on it."""
 
     def finished(
         self, done: Finished, *, queue_s: float, ttft_s: float, e2e_s: float, tpot_s: float | None
@@ -530,7 +532,7 @@ class Scheduler:
             slot.tokens.append(d.token_id)
             generated += 1
             self._on_token(slot.seq, tokens[d.slot], now)
-        self.observer.stepped(prompt_tokens, generated, result.forwards)
+        self.observer.stepped(prompt_tokens, generated, result.forwards, result.elapsed_s)
 
     def _on_token(self, seq: Sequence, token: int, now: float) -> None:
         if seq.t_first is None:

@@ -66,6 +66,11 @@ class Metrics(Observer):
             "mashbox:prompt_tokens", "Prompt tokens of requests prefilled (cached ones included)."
         )
         self.generation_tokens = counter("mashbox:generation_tokens", "Tokens generated.")
+        self.engine_steps = counter("mashbox:engine_steps", "Engine steps run.")
+        self.engine_seconds = counter(
+            "mashbox:engine_busy_seconds",
+            "Seconds the engine spent inside steps (the rest of the wall time is the server's).",
+        )
         self.forward_passes = counter(
             "mashbox:forward_passes",
             "Model forward passes run: prefill chunks, decode batches, decision reads.",
@@ -110,7 +115,11 @@ class Metrics(Observer):
         self.prefix_cache_queries.inc(prompt_tokens)
         self.prefix_cache_hits.inc(cached_tokens)
 
-    def stepped(self, prompt_tokens: int, generated_tokens: int, forwards: int = 0) -> None:
+    def stepped(
+        self, prompt_tokens: int, generated_tokens: int, forwards: int = 0, engine_s: float = 0.0
+    ) -> None:
+        self.engine_steps.inc()
+        self.engine_seconds.inc(engine_s)
         self.forward_passes.inc(forwards)
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
