@@ -3,8 +3,9 @@
 A Q4_1 block is 32 weights w = q * d + m (q in 0..15, d and m fp16); a Q4_0 block is
 w = (q - 8) * d. The kernel computes w = (q - 8) * scale + zero per group of 32, so both load
 without re-quantizing: scale = d, zero = m + 8 * d (Q4_1) or 0 (Q4_0). In float32 that is
-exact (q * d is exact and m + 8 * d is exact for the blocks of real files), but the kernel is
-only fast with bf16 activations, and then wants bf16 scales too: README "--decode-weights".
+exact whenever m + 8 * d is (every block of SmolLM2: (q - 8) * d is exact, so the sum rounds
+once, like q * d + m), but the kernel is only fast with bf16 activations, and its scales
+must share their dtype: README "Decode weights".
 """
 
 from __future__ import annotations
