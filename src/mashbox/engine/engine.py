@@ -85,7 +85,6 @@ class Engine:
         self.slots: list[_SlotState | None] = [None] * slots
         self.host_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # prompt cache
         self.pooled: dict[int, torch.Tensor] = {}  # embeddings: hidden-state sums so far
-        self._decide_forwards = 0  # decision forwards in the current step
         self.info = EngineInfo(
             arch=self.cfg.arch,
             n_params=loaded.n_params,
@@ -136,19 +135,20 @@ class Engine:
             logits = self.model.logits(self.model.decode(self.cache, slots, ids, positions))
             for row, d in enumerate(step.decodes):
                 tokens[d.slot] = self._sample(d.slot, logits[row], d.position + 1)
-        decisions = {d.slot: self._decide(d) for d in step.decides}
+        decisions, forwards = {}, len(step.prefills) + bool(step.decodes)
+        for d in step.decides:
+            decisions[d.slot], reads = self._decide(d)
+            forwards += reads
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        forwards = len(step.prefills) + bool(step.decodes) + self._decide_forwards
-        self._decide_forwards = 0
         return StepResult(tokens, time.perf_counter() - t0, embeddings, decisions, forwards)
 
-    def _decide(self, decide: Decide) -> tuple:
-        """Each branch's candidate log-probs (float32, over the whole vocabulary), run in
-        forwards of at most BRANCH_ROWS rows so a large request cannot exhaust memory."""
-        out = []
+    def _decide(self, decide: Decide) -> tuple[tuple, int]:
+        """Each branch's candidate log-probs (float32, over the whole vocabulary), and the
+        forwards run: at most BRANCH_ROWS rows each, so a large request cannot exhaust memory."""
+        out, forwards = [], 0
         for group in _batches(decide.branches, BRANCH_ROWS):
-            self._decide_forwards += 1
+            forwards += 1
             pairs = [(list(b.token_ids), list(b.leaves)) for b in group]
             hidden = self.model.branch(self.cache, decide.slot, decide.prefix, pairs)
             rows, start = [], 0
@@ -166,7 +166,7 @@ class Engine:
                     reads.append(tuple(logprobs[r, list(candidates)].tolist()))
                     r += 1
                 out.append(tuple(reads))
-        return tuple(out)
+        return tuple(out), forwards
 
     def _sample(self, slot: int, logits: torch.Tensor, position: int) -> int:
         state = self.slots[slot]

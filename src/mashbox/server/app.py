@@ -125,6 +125,7 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
 
     @app.errorhandler(ApiError)
     async def api_error(exc: ApiError):
+        exc = _shaped(exc, request.path)
         return _json(exc.body(), exc.status, exc.headers)
 
     @app.before_request
@@ -237,10 +238,7 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
 
     @app.post("/v1/systemone")
     async def systemone():
-        try:
-            body = await _json_body()
-        except ApiError as exc:
-            raise exc.for_jev() from None
+        body = await _json_body()
         return _json(await systemone_api.systemone(state, body, g.tenant))
 
     @app.get("/v1/limits")

@@ -46,13 +46,8 @@ def model_entries(state: ServerState) -> list[dict]:
 
 
 async def systemone(state: ServerState, data, tenant: str = "") -> dict:
-    try:
-        return await _systemone(state, data, tenant)
-    except ApiError as exc:
-        raise exc.for_jev() from None
-
-
-async def _systemone(state: ServerState, data, tenant: str) -> dict:
+    """The answers to a typed-decision request (errors are ApiErrors, which the app renders
+    in seed 004's shape on this route)."""
     if not isinstance(data, dict):
         raise invalid((), "the body must be a JSON object", "dict_type")
     model = data.get("model")
