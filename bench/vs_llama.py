@@ -2,7 +2,9 @@
 
 Installs llama-cpp-python into its own venv on first use (a native CPU build of llama.cpp),
 then starts each server in turn, never both at once, and measures decode tok/s through HTTP
-with decode_http.py's client, and time to first token on a long cold prompt.
+with decode_http.py's client, and time to first token on a long cold prompt. The ratio column
+is mashbox / llama-cpp-python for rates and llama-cpp-python / mashbox for times (rows ending
+", s"), so above 1 always means mashbox is better.
 
     .venv/bin/python bench/vs_llama.py                  # default model, 1/4/8 streams + TTFT
     .venv/bin/python bench/vs_llama.py --server-args "--decode-weights int8"
@@ -168,6 +170,8 @@ def stream_rates(results: list[dict]) -> dict:
         "per_stream": sum(per_stream) / len(results),
         "total": sum(c - 1 for c in counts) / wall,
         "counts": counts,
+        # A server that queues streams shows it here, not in its per-stream rate.
+        "first_spread": max(r["first"] for r in results) - min(r["first"] for r in results),
         "one_at_a_time": len(results) > 1 and not overlap,
     }
 
@@ -195,7 +199,7 @@ def time_to_first_token(url: str, prompt: str) -> tuple[float, int]:
 
 def measure(url: str, args, extra: dict) -> dict:
     """Decode at each stream count, then cold TTFT; the same requests for either server."""
-    out = {"load": os.getloadavg()[0]}
+    out = {"load": [os.getloadavg()[0]]}  # other jobs' load skews both servers' speed
     trio.run(decode_http.gather_streams, url, 1, 8, extra)  # warm-up
     for n in args.streams:
         out[n] = stream_rates(trio.run(decode_http.gather_streams, url, n, args.tokens, extra))
@@ -207,6 +211,7 @@ def measure(url: str, args, extra: dict) -> dict:
     print(f"  TTFT runs (s, prompt tokens): {runs}", flush=True)
     out["ttft"] = statistics.median(s for s, _ in runs)
     out["prompt_tokens"] = runs[0][1]
+    out["load"].append(os.getloadavg()[0])
     return out
 
 
@@ -245,23 +250,30 @@ def rows(args, base: dict, mash: dict) -> list[tuple]:
         if n > 1:
             per = (base[n]["per_stream"], mash[n]["per_stream"])
             out.append((f"decode {n} streams tok/s/stream", *per, None))
+            wait = (base[n]["first_spread"], mash[n]["first_spread"])
+            out.append((f"{n} streams: last first token after first one, s", *wait, None))
     prefill = [r["prompt_tokens"] / r["ttft"] for r in (base, mash)]
     name = f"prefill tok/s, {base['prompt_tokens']}-token prompt (ref: pp512)"
     out.append((name, *prefill, REFERENCE["prefill"]))
-    out.append((f"TTFT s, {base['prompt_tokens']}-token prompt", base["ttft"], mash["ttft"], None))
+    ttft = (base["ttft"], mash["ttft"])
+    out.append((f"TTFT, {base['prompt_tokens']}-token prompt, s", *ttft, None))
     return out
+
+
+def is_time(name: str) -> bool:
+    return name.endswith(", s")  # the rows in seconds
 
 
 def ratio(name: str, baseline: float, mashbox: float) -> float:
     # A time is better when smaller: its ratio is baseline / mashbox, so > 1 favours mashbox.
-    return baseline / mashbox if name.startswith("TTFT") else mashbox / baseline
+    return baseline / mashbox if is_time(name) else mashbox / baseline
 
 
 def print_table(args, base: dict, mash: dict) -> None:
     print("\n| metric | llama-cpp-python | mashbox | ratio (> 1: mashbox better) | ", end="")
     print("llama-server (issue 13) |\n|---|---|---|---|---|")
     for name, b, m, ref in rows(args, base, mash):
-        fmt = ".2f" if name.startswith("TTFT") else ".1f"
+        fmt = ".2f" if is_time(name) else ".1f"
         refs = "-" if ref is None else f"{ref}"
         print(f"| {name} | {b:{fmt}} | {m:{fmt}} | {ratio(name, b, m):.2f} | {refs} |")
     print(f"TTFT: median of {args.ttft_runs} cold runs; prompt tokens: llama-cpp-python ", end="")
@@ -271,9 +283,11 @@ def print_table(args, base: dict, mash: dict) -> None:
         print(f"mashbox {mash[n]['counts']}")
         if base[n]["one_at_a_time"]:
             print(f"  llama-cpp-python served the {n} streams one after another (serialized)")
-    loads = f"llama run {base['load']:.2f}, mashbox run {mash['load']:.2f}"
-    print(f"1-min load average at start: {loads}, end {os.getloadavg()[0]:.2f}", end="")
-    print(f" ({os.cpu_count()} cores: above ~1.5 on 2 cores is a busy machine)")
+    runs = {"llama-cpp-python": base["load"], "mashbox": mash["load"]}
+    loads = ", ".join(f"{who} {a:.2f} -> {b:.2f}" for who, (a, b) in runs.items())
+    print(f"1-min load average at start -> end of each server's run: {loads}")
+    print(f"  ({os.cpu_count()} cores; the benchmark itself keeps about 2 busy, and the average")
+    print("  lags by a minute: a start above ~1.5 before the first server means other jobs)")
 
 
 def main() -> None:
