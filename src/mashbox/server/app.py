@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import trio
-from quart import Response, g, request
+from quart import Response, g, has_request_context, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -125,7 +125,8 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
 
     @app.errorhandler(ApiError)
     async def api_error(exc: ApiError):
-        exc = _shaped(exc, request.path)
+        if has_request_context():  # not during a WebSocket handshake
+            exc = _shaped(exc, request.path)
         return _json(exc.body(), exc.status, exc.headers)
 
     @app.before_request
