@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per batch size")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--top", type=int, default=15, help="rows of the profiler table")
+    parser.add_argument("--profile-batch", type=int, default=1, help="batch size to profile")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, load {os.getloadavg()}")
@@ -67,9 +68,10 @@ def main() -> None:
                 f"  batch {batch}: step min {min(times) * 1e3:.1f} ms, "
                 f"median {statistics.median(times) * 1e3:.1f} ms"
             )
+    batch = args.profile_batch
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        decode_step(engine, 1, position)
-    print(f"\nOne batch-1 decode step, {args.kinds[-1]} weights:")
+        decode_step(engine, batch, position)
+    print(f"\nOne batch-{batch} decode step, {args.kinds[-1]} weights:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
 
 

@@ -13,6 +13,12 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 .venv/bin/python -m pip install --quiet -e '.[test]'
+# The CPU int8 kernel (src/mashbox/engine/int8_gemm.cpp) is built with g++ on first use;
+# without a compiler mashbox falls back to torch's kernel.
+if ! command -v g++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null
+fi
 # The browser tests (tests/test_ui.py) drive Debian's chromium through Playwright's Python
 # package; Playwright's own browser download is never used.
 if [ ! -x /usr/bin/chromium ]; then

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import int4
+from . import cpu_kernels, int4
 from .config import ModelConfig
 
 
@@ -40,20 +40,25 @@ INT8_MAX_ROWS = 16  # up to this many rows (decode batches) use the int8 weights
 
 
 class Int8Weight:
-    """A weight kept twice: float for prefill-sized batches, int8 per output channel with
-    bf16 scales for decode, where reading the weights is the whole cost (4x fewer bytes)."""
+    """A weight kept twice: float for prefill-sized batches, int8 per output channel for
+    decode, where reading the weights is the whole cost (4x fewer bytes)."""
 
     def __init__(self, w: Tensor):
         self.w = w
         scale = w.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0
         self.q = torch.round(w.float() / scale[:, None]).to(torch.int8).contiguous()
-        self.scale = scale.to(torch.bfloat16)
+        self.scale = scale.contiguous()
+        self.scale_bf16 = scale.to(torch.bfloat16)
+        kernel = cpu_kernels.load() if w.device.type == "cpu" else None
+        self.kernel = kernel if w.shape[1] % 8 == 0 else None
 
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         if x.shape[0] > INT8_MAX_ROWS:
             return F.linear(x, self.w, bias)
-        # The int8 kernel wants bf16 activations (float32 ones take a scalar path).
-        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale)
+        if self.kernel is not None:  # ours: float32 activations, weights read once
+            y = self.kernel.int8_linear(x.float().contiguous(), self.q, self.scale)
+        else:  # torch's wants bf16 activations (float32 ones take a scalar path)
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale_bf16)
         y = y.to(x.dtype)
         return y + bias if bias is not None else y
 
