@@ -37,6 +37,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 INT8_MAX_ROWS = 16  # up to this many rows (decode batches) use the int8 weights
+# Below this many rows, CPU sgemm takes small-M paths whose rounding depends on M: decision
+# reads are padded to it so a row gets the same bits whatever else is in the batch.
+MIN_GEMM_ROWS = 16
 
 
 class Int8Weight:
@@ -319,10 +322,6 @@ class Model:
         token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self.forward(token_ids, pos, attend)
-
-
-# Below this many rows, CPU sgemm takes small-M paths whose rounding depends on M.
-MIN_GEMM_ROWS = 16
 
 
 def _tree_mask(n: int, m: int, device) -> Tensor:
