@@ -4,6 +4,8 @@ Starts `mashbox run` (the default model unless --model or --url is given), sends
 streaming chat requests with ignore_eos so each stream decodes exactly --tokens tokens, and
 prints per-stream and total decode speed next to the machine's decode limit: memory
 bandwidth (measured here with a large tensor copy) over the bytes each step must read.
+Also the engine's time per step and the server's (everything else: HTTP, scheduler, IPC,
+detokenizing, SSE), from the server's metrics during steady decoding.
 
     python bench/decode_http.py                      # default model, 1 and 4 streams
     python bench/decode_http.py --streams 1 4 8 --tokens 128
@@ -67,9 +69,9 @@ async def gather_streams(url: str, n: int, tokens: int, extra: dict | None = Non
     return results
 
 
-def engine_counters(url: str) -> tuple[float, float]:
+async def engine_counters(http: httpx.AsyncClient) -> tuple[float, float]:
     """(engine steps, seconds the engine spent in them) from the server's metrics."""
-    text = httpx.get(url + "/metrics").text
+    text = (await http.get("/metrics")).text
     values = {}
     for name in ("mashbox:engine_steps_total", "mashbox:engine_busy_seconds_total"):
         values[name] = sum(
@@ -79,22 +81,35 @@ def engine_counters(url: str) -> tuple[float, float]:
 
 
 async def run_streams(url: str, n: int, tokens: int) -> dict:
-    steps0, busy0 = engine_counters(url)
-    t0 = time.perf_counter()
-    results = await gather_streams(url, n, tokens)
-    window = time.perf_counter() - t0
-    steps1, busy1 = engine_counters(url)
+    samples = []  # (time, engine steps, engine seconds) while the streams run
+    results = []
+
+    async def sample(http):
+        while True:
+            steps, busy = await engine_counters(http)
+            samples.append((time.perf_counter(), steps, busy))
+            await trio.sleep(0.25)
+
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sample, http)
+            results = await gather_streams(url, n, tokens)
+            nursery.cancel_scope.cancel()
     per_stream = [r["timings"]["predicted_per_second"] for r in results]
     wall = max(r["last"] for r in results) - min(r["first"] for r in results)
     generated = sum(r["usage"]["completion_tokens"] - 1 for r in results)
-    steps, busy = steps1 - steps0, busy1 - busy0
+    # Steady decoding only: after every stream's first token, before the first one ends.
+    start, end = max(r["first"] for r in results), min(r["last"] for r in results)
+    window = [x for x in samples if start <= x[0] <= end] or samples
+    (t0, steps0, busy0), (t1, steps1, busy1) = window[0], window[-1]
+    steps, busy = max(steps1 - steps0, 1), busy1 - busy0
     return {
         "per_stream": sum(per_stream) / n,  # server timings: first to last token of each
         "total_wall": generated / wall,  # client clock: every token after each first one
         # Everything that is not the engine (HTTP, scheduler, IPC, detokenize, SSE), per
         # step and as a share of the engine's own step time.
         "step_ms": busy / steps * 1000,
-        "server_ms": (window - busy) / steps * 1000,
+        "server_ms": (t1 - t0 - busy) / steps * 1000,
     }
 
 
