@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from serverproc import ServerProcess  # noqa: E402
+from serverproc import serving  # noqa: E402
 from tinymodels import build_tiny_llama  # noqa: E402
 
 EXAMPLES = int(os.environ.get("MASHBOX_FUZZ_EXAMPLES", "15"))
@@ -24,12 +24,8 @@ EXAMPLES = int(os.environ.get("MASHBOX_FUZZ_EXAMPLES", "15"))
 def fuzz_server(tmp_path_factory):
     """Two slots of 128 tokens: any generation a fuzzer starts is short."""
     model = build_tiny_llama(tmp_path_factory.mktemp("fuzz-model"), quantize=True)
-    proc = ServerProcess(
+    with serving(
         str(model), "--ctx", "128", "--slots", "2", "--threads", "1",
         log=tmp_path_factory.mktemp("fuzz-logs") / "server.log",
-    )  # fmt: skip
-    try:
-        proc.wait_ready(120)
+    ) as proc:  # fmt: skip
         yield proc
-    finally:
-        proc.stop()

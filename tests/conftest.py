@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serverproc import ServerProcess  # noqa: E402
+from serverproc import serving  # noqa: E402
 from tinymodels import build_tiny_llama, build_tiny_qwen2  # noqa: E402
 
 
@@ -36,23 +36,15 @@ def trained_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def server(tiny_llama, tmp_path_factory):
     """A real `mashbox run` on the tiny Llama: 4 slots of 1024 tokens."""
-    proc = ServerProcess(
+    with serving(
         str(tiny_llama), "--ctx", "1024", "--slots", "4", "--threads", "1",
         log=tmp_path_factory.mktemp("logs") / "server.log",
-    )  # fmt: skip
-    try:
-        proc.wait_ready(120)
+    ) as proc:  # fmt: skip
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="session")
 def default_server(tmp_path_factory):
     """A real `mashbox run` on the shipped default model (fetched on first use)."""
-    proc = ServerProcess("smollm2-135m-instruct", "--ctx", "2048", "--slots", "4")
-    try:
-        proc.wait_ready(900)
+    with serving("smollm2-135m-instruct", "--ctx", "2048", "--slots", "4", timeout=900) as proc:
         yield proc
-    finally:
-        proc.stop()

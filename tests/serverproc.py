@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -88,6 +89,17 @@ class ServerProcess:
         if self._log:
             self._log.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def serving(model: str, *args: str, timeout: float = 120, **kwargs):
+    """A ready `mashbox run` (ServerProcess's arguments), stopped however the block ends."""
+    proc = ServerProcess(model, *args, **kwargs)
+    try:
+        proc.wait_ready(timeout)
+        yield proc
+    finally:
+        proc.stop()
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.02):

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 import rawhttp
-from serverproc import ServerProcess, wait_for
+from serverproc import ServerProcess, serving, wait_for
 
 CHAT = "/v1/chat/completions"
 
@@ -30,18 +30,14 @@ def health(url: str) -> dict:
 @pytest.fixture(scope="module")
 def slow_server(tiny_llama, tmp_path_factory):
     """One slot, 20 ms engine steps, small prefill chunks, short stall and keep-alive."""
-    proc = ServerProcess(
+    with serving(
         str(tiny_llama),
         "--ctx", "2048", "--slots", "1", "--prefill-chunk", "8", "--stall-timeout", "2",
         "--keep-alive", "1", "--threads", "1",
         env={"MASHBOX_FAULTS": "slow=0.02"},
         log=tmp_path_factory.mktemp("slow") / "server.log",
-    )  # fmt: skip
-    try:
-        proc.wait_ready(120)
+    ) as proc:  # fmt: skip
         yield proc
-    finally:
-        proc.stop()
 
 
 def start_fault_server(model, faults: str, *args) -> ServerProcess:

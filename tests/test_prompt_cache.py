@@ -10,7 +10,7 @@ from mashbox.engine.engine import Engine
 from mashbox.prompt_cache import MIN_TOKENS, PromptCache
 from mashbox.protocol import Admit, Decode, Prefill, Restore, SamplingParams, Save, Step
 
-from serverproc import ServerProcess
+from serverproc import serving
 
 TOKENS = list(range(10, 10 + 2 * MIN_TOKENS))
 
@@ -87,14 +87,10 @@ def test_a_restored_prefix_decodes_like_a_fresh_prefill(tiny_llama):
 @pytest.fixture(scope="module")
 def cached_server(tiny_llama):
     """One slot, so every other prompt evicts the slot's; 1 MiB of host cache."""
-    proc = ServerProcess(
+    with serving(
         str(tiny_llama), "--ctx", "2048", "--slots", "1", "--cache-ram", "1", "--threads", "1"
-    )
-    try:
-        proc.wait_ready(120)
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def complete(url: str, prompt: str, **extra) -> dict:

@@ -10,7 +10,7 @@ import trio
 
 from mashbox.server.security import Guard, read_key_file
 
-from serverproc import ServerProcess
+from serverproc import ServerProcess, serving
 
 CHAT = "/v1/chat/completions"
 SMALL = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -22,15 +22,11 @@ def keyed(tiny_llama, tmp_path_factory):
     folder = tmp_path_factory.mktemp("keys")
     keyfile = folder / "keys"
     keyfile.write_text("# keys\nk-alice-1 alice\nk-alice-2 alice  # laptop\n\nk-bob\n")
-    proc = ServerProcess(
+    with serving(
         str(tiny_llama), "--ctx", "2048", "--slots", "1", "--api-key-file", str(keyfile),
         "--allowed-host", "mashbox.example", env={"MASHBOX_FAULTS": "slow=0.02"},
-    )  # fmt: skip
-    try:
-        proc.wait_ready(120)
+    ) as proc:  # fmt: skip
         yield proc
-    finally:
-        proc.stop()
 
 
 def test_key_file_format(tmp_path):

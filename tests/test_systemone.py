@@ -16,7 +16,7 @@ from typesafe_sdk._core.errors import TypeSafeUnprocessableEntityError
 
 from mashbox.server import decisions
 
-from serverproc import ServerProcess
+from serverproc import serving
 
 ROUTE = "/v1/systemone"
 STATE = "I was charged twice for my order. Please refund the duplicate payment today."
@@ -25,15 +25,11 @@ STATE = "I was charged twice for my order. Please refund the duplicate payment t
 @pytest.fixture(scope="module")
 def decision_server(tiny_llama, tmp_path_factory):
     """The tiny Llama with room for 255 labelled options in one question."""
-    proc = ServerProcess(
+    with serving(
         str(tiny_llama), "--ctx", "4096", "--slots", "2", "--threads", "1",
         log=tmp_path_factory.mktemp("systemone") / "server.log",
-    )  # fmt: skip
-    try:
-        proc.wait_ready(120)
+    ) as proc:  # fmt: skip
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serverproc import ServerProcess, wait_for
+from serverproc import serving, wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -44,16 +44,12 @@ def live_rows(url: str) -> int:
 @pytest.fixture(scope="module")
 def ui_server(tiny_llama, tmp_path_factory):
     """`mashbox run --ui` with a key required; 50 ms engine steps, so answers stream visibly."""
-    proc = ServerProcess(
+    with serving(
         str(tiny_llama), "--ctx", "512", "--slots", "2", "--threads", "1", "--ui",
         env={"MASHBOX_FAULTS": "slow=0.05", "MASHBOX_API_KEY": KEY},
         log=tmp_path_factory.mktemp("ui") / "server.log",
-    )  # fmt: skip
-    try:
-        proc.wait_ready(120)
+    ) as proc:  # fmt: skip
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
