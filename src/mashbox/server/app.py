@@ -133,10 +133,7 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
     async def guard():
         if request.routing_exception is not None:
             return  # 404 and 405 come first
-        try:
-            g.tenant = state.guard.check(request.path, request.headers)
-        except ApiError as exc:
-            raise _shaped(exc, request.path) from None
+        g.tenant = state.guard.check(request.path, request.headers)  # ApiErrors: api_error
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException):
@@ -281,20 +278,12 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
 
     @app.post("/v1/messages")
     async def messages():
-        try:
-            result = await anthropic_api.messages(
-                state, await _json_body(), request.headers, g.tenant
-            )
-        except ApiError as exc:
-            raise exc.for_anthropic() from None
+        result = await anthropic_api.messages(state, await _json_body(), request.headers, g.tenant)
         return result if isinstance(result, Response) else _json(result)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens():
-        try:
-            return _json(await anthropic_api.count_tokens(state, await _json_body()))
-        except ApiError as exc:
-            raise exc.for_anthropic() from None
+        return _json(await anthropic_api.count_tokens(state, await _json_body()))
 
     return app
 

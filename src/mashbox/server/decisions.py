@@ -310,8 +310,8 @@ class Labels:
     @functools.cached_property
     def single_letters(self) -> list[Label]:
         """A-Z, then two-letter labels, each one token."""
-        letters = string.ascii_uppercase
-        return self._singles(letters) + self._singles(a + b for a in letters for b in letters)
+        pairs = [label for label in self.two_letters if len(label.tokens) == 1]
+        return self._singles(string.ascii_uppercase) + pairs
 
     @functools.cached_property
     def two_letters(self) -> list[Label]:
