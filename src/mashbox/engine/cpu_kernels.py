@@ -1,12 +1,16 @@
-"""mashbox's own CPU kernel: int8 weights x float32 activations for decode batches.
+"""mashbox's own CPU kernels for decode steps with int8 weights.
 
-torch's `_weight_int8pack_mm` wants bf16 activations and reads the weights at ~8-13 GB/s on
-the 2-core AVX2 machines here; `int8_gemm.cpp` reads them once per call at up to ~26 GB/s
-for one row, reuses each converted weight across up to 4 rows, and keeps the activations in
-float32 (closer to the float path). It is built once per machine with torch's extension
-builder (g++ and ninja, ~30 s, cached under ~/.cache/mashbox/kernels) the first time an
-engine with int8 or int4 decode weights loads. Without AVX2/FMA or a compiler, or with
-MASHBOX_CPU_KERNELS=0, `load()` returns None and torch's kernel is used.
+- `int8_gemm.cpp`: int8 weights x float32 activations. torch's `_weight_int8pack_mm` wants
+  bf16 activations and reads the weights at ~8-13 GB/s on the 2-core AVX2 machines here; this
+  one reads them once per call, keeps activations in float32 (closer to the float path) and
+  sums every output in one order, so a row's bits do not depend on the batch.
+- `decode_layers.cpp`: `DecodeStack`, a whole decode step (every layer) in one call, with
+  no torch op dispatch per norm, RoPE or residual.
+
+Built once per machine with torch's extension builder (g++ and ninja, ~40 s, cached under
+~/.cache/mashbox/kernels) the first time an engine with int8 or int4 decode weights loads.
+Without AVX2/FMA or a compiler, or with MASHBOX_CPU_KERNELS=0, `load()` returns None and
+torch's ops are used.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 
 log = logging.getLogger("mashbox")
 
-SOURCE = Path(__file__).with_name("int8_gemm.cpp")
+SOURCES = [Path(__file__).with_name(n) for n in ("int8_gemm.cpp", "decode_layers.cpp")]
 
 
 def _supported() -> bool:
@@ -30,7 +34,8 @@ def _supported() -> bool:
 
 @functools.cache
 def load():
-    """The compiled module (`int8_linear(x, q, scale)`), or None where it cannot be used."""
+    """The compiled module (`int8_linear(x, q, scale)`, `DecodeStack`), or None where it
+    cannot be used."""
     if not _supported():
         return None
     from torch.utils.cpp_extension import load as build
@@ -39,13 +44,13 @@ def load():
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         return build(
-            "mashbox_int8_gemm",
-            sources=[str(SOURCE)],
+            "mashbox_cpu_kernels",
+            sources=[str(s) for s in SOURCES],
             # OpenMP binds to the libgomp torch has loaded: one thread pool for both.
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
         )
     except Exception as exc:  # no compiler, no ninja, a build error: torch's kernel instead
-        log.warning("mashbox: CPU int8 kernel unavailable (%s); using torch's", exc)
+        log.warning("mashbox: CPU kernels unavailable (%s); using torch's ops", exc)
         return None

@@ -177,6 +177,33 @@ class Model:
                     layer[name] = decode_weight(layer[name], parts_blocks, decode_weights)
             head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
             self.lm_head = decode_weight(self.lm_head, [blocks.get(head)], decode_weights)
+        self.decode_stack = self._decode_stack()
+
+    def _decode_stack(self):
+        """The whole decode step as one call into the CPU kernels, where every layer matrix
+        is int8 on mashbox's kernel and activations are float32; None otherwise."""
+        cfg, mats = self.cfg, ("wqkv", "wo", "w_gate_up", "w_down")
+        usable = (
+            self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and cfg.d_model % 8 == 0
+            and cfg.head_dim % 8 == 0
+            and all(isinstance(w[m], Int8Weight) and w[m].kernel for w in self.layers for m in mats)
+        )
+        if not usable:
+            return None
+        absent = torch.empty(0)
+        layers = [
+            [w["attn_norm"], w["wqkv"].q, w["wqkv"].scale]
+            + [absent if t is None else t for t in (w["bqkv"], w["q_norm"], w["k_norm"])]
+            + [w["wo"].q, w["wo"].scale, w["ffn_norm"], w["w_gate_up"].q, w["w_gate_up"].scale]
+            + [w["w_down"].q, w["w_down"].scale]
+            for w in self.layers
+        ]
+        return cpu_kernels.load().DecodeStack(
+            layers, self.final_norm, self.cos, self.sin,
+            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps,
+        )  # fmt: skip
 
     def forward(self, token_ids: Tensor, positions: Tensor, attend) -> Tensor:
         """Run the decoder on flat tokens; `attend(layer, q, k, v)` owns the KV cache.
@@ -243,6 +270,9 @@ class Model:
     def decode(self, cache: KVCache, slots: list[int], token_ids: Tensor, positions: Tensor):
         """Feed one token per slot (a batch); return hidden states [len(slots), d_model]."""
         slot_index = torch.tensor(slots, device=self.device)
+        if self.decode_stack is not None and len(slots) <= INT8_MAX_ROWS:
+            x = F.embedding(token_ids, self.embed)
+            return self.decode_stack.forward(x, positions, slot_index, cache.k, cache.v)
         lengths = [int(p) + 1 for p in positions.tolist()]
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
