@@ -6,23 +6,43 @@ import pytest
 import torch
 
 from mashbox.engine import cpu_kernels
-from mashbox.engine.model import Int8Weight
+from mashbox.engine.model import Int8Weight, quantize_int8
 
 kernel = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no AVX2 or no compiler here")
 
 
-@pytest.mark.parametrize("m", range(1, 17))
-@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 64), (8, 8)])
-def test_int8_linear_is_the_dequantized_matmul(m, n, k):
-    """Every batch size a decode step can have (1-16 rows: blocks of 4, 3, 2 and 1 rows)
-    and output sizes that are not a multiple of the kernel's row blocks."""
+SHAPES = [(960, 576), (37, 64), (8, 8), (70, 12)]  # (N, K): whole tiles, ragged, tiny, odd K
+
+
+def problem(m: int, n: int, k: int):
     g = torch.Generator().manual_seed(m * 1000 + n)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-    scale = torch.rand(n, generator=g) / 100
-    x = torch.randn(m, k, generator=g)
-    expected = (x.double() @ (q.double() * scale.double()[:, None]).T).float()
-    torch.testing.assert_close(kernel.int8_linear(x, q, scale), expected, rtol=1e-5, atol=1e-5)
+    return torch.randn(m, k, generator=g), q, torch.rand(n, generator=g) / 100
+
+
+@pytest.mark.parametrize("m", range(1, 17))
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_int8_linear_is_the_dequantized_matmul(m, n, k):
+    """Every batch size a decode step can have (1-16 rows: blocks of 4, 3, 2 and 1 rows, one
+    row two tiles at a time) and output sizes that do not fill the last tile."""
+    x, q, scale = problem(m, n, k)
+    w = q.double() * scale.double()[:, None]
+    y = kernel.int8_linear(x, cpu_kernels.pack_int8(q), scale).double()
+    # A float32 sum of k products in order is within k ulps of the sum of their magnitudes.
+    bound = (k + 2) * 2.0**-24 * (x.double().abs() @ w.abs().T)
+    assert ((y - x.double() @ w.T).abs() <= bound).all()
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_a_row_has_the_same_bits_in_any_batch(n, k):
+    """Each output is summed in one order whatever block computes it, so seeded sampling
+    sees the same logits for a row alone and among 15 others, at any index."""
+    x, q, scale = problem(16, n, k)
+    packed = cpu_kernels.pack_int8(q)
+    alone = torch.cat([kernel.int8_linear(x[i : i + 1], packed, scale) for i in range(16)])
+    for m in range(2, 17):
+        assert torch.equal(kernel.int8_linear(x[:m], packed, scale), alone[:m]), m
 
 
 def test_int8_weights_use_it_with_float32_activations():
@@ -30,6 +50,6 @@ def test_int8_weights_use_it_with_float32_activations():
     weight = Int8Weight(w)
     assert weight.kernel is kernel
     x = torch.randn(3, 128)
-    dequantized = weight.q.float() * weight.scale[:, None]
+    q, scale = quantize_int8(w)
+    dequantized = q.float() * scale[:, None]
     torch.testing.assert_close(weight(x), x @ dequantized.T, rtol=1e-5, atol=1e-5)
-    assert Int8Weight(torch.randn(16, 12)).kernel is None  # K not a multiple of 8: torch's

@@ -105,12 +105,12 @@ static void attend(const float* q, const float* k, const float* v, float* out, i
   }
 }
 
-struct Int8Mat {
-  torch::Tensor q, scale;
+struct Int8Mat {  // packed int8 weights (int8_gemm.cpp) and their per-row scales
+  torch::Tensor p, scale;
   void operator()(const float* x, float* y, int64_t rows) const {
-    int8_gemm(x, q.data_ptr<int8_t>(), scale.data_ptr<float>(), y, rows, q.size(1), q.size(0));
+    int8_gemm(x, p.data_ptr<int8_t>(), scale.data_ptr<float>(), y, rows, p.size(1), n());
   }
-  int64_t n() const { return q.size(0); }
+  int64_t n() const { return scale.size(0); }
 };
 
 struct Layer {
@@ -124,8 +124,9 @@ static const float* data_or_null(const torch::Tensor& t) {
 
 class DecodeStack {
  public:
-  // Each layer: attn_norm, wqkv q, wqkv scale, bqkv, q_norm, k_norm, wo q, wo scale,
-  // ffn_norm, gate_up q, gate_up scale, down q, down scale (empty tensors where absent).
+  // Each layer: attn_norm, wqkv packed, wqkv scale, bqkv, q_norm, k_norm, wo packed, wo
+  // scale, ffn_norm, gate_up packed, gate_up scale, down packed, down scale (empty tensors
+  // where absent).
   DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, torch::Tensor final_norm,
               torch::Tensor cos, torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
               int64_t head_dim, double eps)
@@ -161,7 +162,7 @@ class DecodeStack {
                   slot[b] < n_slots, "position or slot out of range");
       longest = std::max(longest, pos[b] + 1);
     }
-    const int64_t n_qkv = layers_[0].wqkv.n(), ffn = layers_[0].down.q.size(1);
+    const int64_t n_qkv = layers_[0].wqkv.n(), ffn = layers_[0].down.p.size(1);
     std::vector<float> h(B * D), qkv(B * n_qkv), att(B * nh * hd), gu(B * 2 * ffn), act(B * ffn),
         y(B * D);
     float* xs = x.data_ptr<float>();
@@ -227,7 +228,7 @@ class DecodeStack {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "y = x . (q * scale)^T for decode batches (M <= 16)");
+  m.def("int8_linear", &int8_linear, "y = x . (q * scale)^T, q packed by pack_int8");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, torch::Tensor,
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double>())

@@ -41,24 +41,31 @@ INT8_MAX_ROWS = 16  # up to this many rows (decode batches) use the int8 weights
 MIN_GEMM_ROWS = 16
 
 
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 per output channel: (q [N, K] int8, scale [N] float32), w ~ q * scale."""
+    scale = w.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    return torch.round(w.float() / scale[:, None]).to(torch.int8), scale.contiguous()
+
+
 class Int8Weight:
     """A weight kept twice: float for prefill-sized batches, int8 per output channel for
     decode, where reading the weights is the whole cost (4x fewer bytes)."""
 
     def __init__(self, w: Tensor):
         self.w = w
-        scale = w.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        self.q = torch.round(w.float() / scale[:, None]).to(torch.int8).contiguous()
-        self.scale = scale.contiguous()
-        self.scale_bf16 = scale.to(torch.bfloat16)
-        kernel = cpu_kernels.load() if w.device.type == "cpu" else None
-        self.kernel = kernel if w.shape[1] % 8 == 0 else None
+        q, self.scale = quantize_int8(w)
+        self.kernel = cpu_kernels.load() if w.device.type == "cpu" else None
+        if self.kernel is not None:  # ours: the packed layout only
+            self.packed = cpu_kernels.pack_int8(q)
+        else:
+            self.q = q.contiguous()
+            self.scale_bf16 = self.scale.to(torch.bfloat16)
 
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         if x.shape[0] > INT8_MAX_ROWS:
             return F.linear(x, self.w, bias)
         if self.kernel is not None:  # ours: float32 activations, weights read once
-            y = self.kernel.int8_linear(x.float().contiguous(), self.q, self.scale)
+            y = self.kernel.int8_linear(x.float().contiguous(), self.packed, self.scale)
         else:  # torch's wants bf16 activations (float32 ones take a scalar path)
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale_bf16)
         y = y.to(x.dtype)
@@ -188,16 +195,17 @@ class Model:
             and self.dtype == torch.float32
             and cfg.d_model % 8 == 0
             and cfg.head_dim % 8 == 0
+            and cfg.d_ff % 8 == 0
             and all(isinstance(w[m], Int8Weight) and w[m].kernel for w in self.layers for m in mats)
         )
         if not usable:
             return None
         absent = torch.empty(0)
         layers = [
-            [w["attn_norm"], w["wqkv"].q, w["wqkv"].scale]
+            [w["attn_norm"], w["wqkv"].packed, w["wqkv"].scale]
             + [absent if t is None else t for t in (w["bqkv"], w["q_norm"], w["k_norm"])]
-            + [w["wo"].q, w["wo"].scale, w["ffn_norm"], w["w_gate_up"].q, w["w_gate_up"].scale]
-            + [w["w_down"].q, w["w_down"].scale]
+            + [w["wo"].packed, w["wo"].scale, w["ffn_norm"]]
+            + [w["w_gate_up"].packed, w["w_gate_up"].scale, w["w_down"].packed, w["w_down"].scale]
             for w in self.layers
         ]
         return cpu_kernels.load().DecodeStack(
