@@ -132,7 +132,7 @@ async def main_async(args, url: str) -> None:
     card = httpx.get(url + "/v1/models").json()["data"][0]
     print(f"model {card['id']}  weights {card['weights']}  bpw {card['bpw']}  gb {card['gb']}")
     bw = memory_bandwidth_gbs()
-    step_bytes = card["gb"] * 1e9  # every decode step reads every weight once
+    step_bytes = card.get("decode_gb", card["gb"]) * 1e9  # each decode step reads these once
     limit = bw * 1e9 / step_bytes
     print(f"memory bandwidth {bw:.1f} GB/s; weights read per step {step_bytes / 1e6:.0f} MB")
     print(f"decode limit: {limit:.1f} steps/s (one token per stream per step)")

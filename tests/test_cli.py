@@ -132,5 +132,8 @@ def test_int8_decode_weights_serve(tiny_llama):
         body = {"prompt": "Paris", "max_tokens": 4, "ignore_eos": True}
         r = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
         assert r["usage"]["completion_tokens"] == 4
+        card = httpx.get(url + "/v1/models").json()["data"][0]
+        # A decode step reads int8 matrices, not float32 ones, and no embedding matrix.
+        assert 0 < card["decode_gb"] < card["gb"] / 4
     finally:
         assert proc.stop() == 0

@@ -135,6 +135,7 @@ class EngineInfo:
     max_context: int  # what the model was trained for
     ctx: int  # tokens per slot this engine runs
     kv_bytes_per_token: int = 0  # K and V of one position, all layers
+    decode_bytes: int = 0  # weight bytes one decode step reads
 
 
 @attrs.frozen

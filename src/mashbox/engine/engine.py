@@ -97,6 +97,7 @@ class Engine:
             max_context=self.cfg.max_context,
             ctx=ctx,
             kv_bytes_per_token=self.cache.bytes_per_token,
+            decode_bytes=self.model.decode_nbytes,
         )
 
     @torch.inference_mode()

@@ -73,6 +73,10 @@ class Int4Weight:
         ).to(x.dtype)
         return y + bias if bias is not None else y
 
+    @property
+    def decode_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros))
+
     def dequantized(self) -> Tensor:
         """The weights the kernel multiplies by, [N, K] in self.dtype (x = identity)."""
         k = self.w.shape[1]

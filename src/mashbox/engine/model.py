@@ -71,6 +71,16 @@ class Int8Weight:
         y = y.to(x.dtype)
         return y + bias if bias is not None else y
 
+    @property
+    def decode_nbytes(self) -> int:
+        q = self.packed if self.kernel is not None else self.q
+        return q.numel() + 4 * self.scale.numel()
+
+
+def nbytes(w) -> int:
+    """Bytes a decode step reads of one weight: a tensor, or an int8/int4 decode weight."""
+    return w.numel() * w.element_size() if isinstance(w, Tensor) else w.decode_nbytes
+
 
 def linear(x: Tensor, w, bias: Tensor | None = None) -> Tensor:
     """F.linear, or the decode path of an Int8Weight / Int4Weight."""
@@ -212,6 +222,13 @@ class Model:
             layers, self.final_norm, self.cos, self.sin,
             cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps,
         )  # fmt: skip
+
+    @property
+    def decode_nbytes(self) -> int:
+        """Weight bytes one decode step reads (every layer and the head; the embedding only
+        a row per token): what bounds decode speed by memory bandwidth."""
+        layers = sum(nbytes(w) for layer in self.layers for w in layer.values() if w is not None)
+        return layers + nbytes(self.lm_head) + nbytes(self.final_norm)
 
     def forward(self, token_ids: Tensor, positions: Tensor, attend) -> Tensor:
         """Run the decoder on flat tokens; `attend(layer, q, k, v)` owns the KV cache.

@@ -76,6 +76,7 @@ def model_card(state: ServerState) -> dict:
         "weights": state.weights_name,
         "gb": round(info.n_params * (2 if info.dtype == "bfloat16" else 4) / 1e9, 3) if info else 0,
         "bpw": info.bits_per_weight if info else 0,
+        "decode_gb": round(info.decode_bytes / 1e9, 6) if info else 0,
         "prefix_cache": True,
         "slots": state.slots,
         "cache_ram_mib": state.scheduler.prompt_cache.cap_bytes // 2**20 if state.scheduler else 0,
