@@ -1,7 +1,25 @@
 // mashbox's CPU kernels (built together as one extension by cpu_kernels.py).
 #pragma once
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+
+// f(i) for every i in [0, n) on torch's threads, which take `chunk` indices at a time as they
+// become free. A static split (at::parallel_for) makes the whole call wait for a thread that
+// lost its core to another process, and on two cores the server's own work does that every
+// step; here the other thread takes over the rest of the work.
+template <typename F>
+inline void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + chunk - 1) / chunk);
+  at::parallel_for(0, std::max<int64_t>(threads, 1), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(chunk)) < n;)
+      for (int64_t j = i; j < std::min(n, i + chunk); ++j) f(j);
+  });
+}
 
 // y[M, N] = x[M, K] . (q[N, K] * scale[N])^T, float32 activations and int8 weights packed
 // as p[ceil(N / 32)][K][32]; each output row has the same bits whatever M is.

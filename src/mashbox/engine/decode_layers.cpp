@@ -1,7 +1,5 @@
 #include "cpu_kernels.h"
 
-#include <ATen/Parallel.h>
-
 #include <cmath>
 #include <vector>
 
@@ -196,14 +194,13 @@ class DecodeStack {
           std::copy_n(r + (nh + nkv + kh) * hd, hd, vc + at);
         }
       }
-      at::parallel_for(0, B * nh, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(longest);
-        for (int64_t task = begin; task < end; ++task) {
-          const int64_t b = task / nh, head = task % nh, kh = head / groups;
-          const int64_t at = l * layer_stride + slot[b] * row_stride + kh * ctx * hd;
-          attend(qkv.data() + b * n_qkv + head * hd, kc + at, vc + at,
-                 att.data() + (b * nh + head) * hd, pos[b] + 1, hd, scale, scores.data());
-        }
+      parallel_chunks(B * nh, 1, [&](int64_t task) {
+        thread_local std::vector<float> scores;
+        scores.resize(std::max<size_t>(scores.size(), longest));
+        const int64_t b = task / nh, head = task % nh, kh = head / groups;
+        const int64_t at = l * layer_stride + slot[b] * row_stride + kh * ctx * hd;
+        attend(qkv.data() + b * n_qkv + head * hd, kc + at, vc + at,
+               att.data() + (b * nh + head) * hd, pos[b] + 1, hd, scale, scores.data());
       });
       w.wo(att.data(), y.data(), B);
       add_into(xs, y.data(), B * D);
