@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -53,3 +56,14 @@ def test_int8_weights_use_it_with_float32_activations():
     q, scale = quantize_int8(w)
     dequantized = q.float() * scale[:, None]
     torch.testing.assert_close(weight(x), x @ dequantized.T, rtol=1e-5, atol=1e-5)
+
+
+def test_loading_the_kernels_counts_as_a_compile():
+    """What compiles_after_ready counts: a fresh process has compiled nothing until the
+    kernels load (built, or loaded from the cache), and then one program."""
+    code = (
+        "from mashbox.engine import cpu_kernels; from mashbox.engine.engine import compiles_so_far;"
+        "before = compiles_so_far(); cpu_kernels.load(); print(before, compiles_so_far())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "1"]

@@ -265,3 +265,26 @@ def test_weights_sha_is_the_registry_one_or_a_stat_hash(tmp_path):
     first = weights_sha(f, None)
     f.write_bytes(b"xy")
     assert weights_sha(f, None) != first
+
+
+async def test_nothing_compiles_after_ready_at_any_batch_size(server):
+    """Decode batches of 1 to 4 rows (requests of different lengths, started together and
+    one by one) run on kernels built before ready: compiles_after_ready stays 0 (it counts
+    every kernel build or load and torch.compile graph in the worker after ready)."""
+    from mashbox.engine import cpu_kernels
+
+    card = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert card["decode_weights"] == ("int8" if cpu_kernels.load() else "float")
+
+    async def complete(client: httpx.AsyncClient, tokens: int) -> None:
+        body = {"prompt": f"Count {tokens}", "max_tokens": tokens, "ignore_eos": True}
+        r = await client.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.json()["usage"]["completion_tokens"] == tokens
+
+    async with httpx.AsyncClient() as client:
+        for group in ([5], [3, 9], [2, 6, 10, 14], [12, 1, 7]):
+            async with trio.open_nursery() as nursery:
+                for tokens in group:
+                    nursery.start_soon(complete, client, tokens)
+    assert value(wait_idle(server.url), "compiles_after_ready") == 0
+    assert httpx.get(server.url + "/health").json()["compiles_after_ready"] == 0

@@ -159,10 +159,13 @@ def test_answer_streams_token_by_token(page, ui_server):
     growing = sorted(set(n for n in lengths if n))
     assert len(growing) >= 3, lengths  # the text arrived in pieces, not at once
 
+    body = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 24}
+    body["temperature"] = 0
+    direct = httpx.post(ui_server.url + CHAT, json=body, headers=AUTH, timeout=60).json()
     meta = page.locator(".msg.assistant .meta")
     expect(meta.locator(".tps")).to_have_text(re.compile(r"^\d+\.\d tok/s$"))
     expect(meta.locator(".ttft")).to_have_text(re.compile(r"to first token$"))
-    expect(meta.locator(".tokens")).to_have_text("24 tokens")
+    expect(meta.locator(".tokens")).to_have_text(f"{direct['usage']['completion_tokens']} tokens")
     expect(page.locator("#send")).to_be_visible()
     expect(page.locator(".msg.assistant .regenerate")).to_be_visible()
     expect(page.locator(".msg.user .bubble")).to_have_text("Hello there")
@@ -170,9 +173,6 @@ def test_answer_streams_token_by_token(page, ui_server):
     # The page shows exactly what the API answers to the same (greedy) request.
     (chat,) = stored_chats(page)["chats"]
     shown = chat["messages"][1]["content"]
-    body = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 24}
-    body["temperature"] = 0
-    direct = httpx.post(ui_server.url + CHAT, json=body, headers=AUTH, timeout=60).json()
     assert shown == direct["choices"][0]["message"]["content"]
     assert answer_text(page).strip()
 

@@ -52,11 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--decode-weights",
-        choices=["float", "int8", "int4"],
-        default="float",
-        help="int8: decode steps read int8 per-channel weights (2.2x faster on the CPU here); "
-        "int4 (CPU only): the GGUF's own Q4_0/Q4_1 blocks, int8 for other matrices; greedy "
-        "text can differ from float after a few tokens, see README (default float)",
+        choices=["auto", "float", "int8", "int4"],
+        default="auto",
+        help="what decode steps read: int8 per-channel weights (7x faster than float on the "
+        "CPU here), int4 (CPU only: the GGUF's own Q4_0/Q4_1 blocks), or float (the reference); "
+        "greedy text can differ from float after a few tokens, see README (default auto: int8 "
+        "on a CPU where mashbox's kernels build, float elsewhere)",
     )
     run.add_argument(
         "--cache-ram",

@@ -118,6 +118,7 @@ class StepResult:
     # Decisions: slot -> per branch, per read, the candidates' float32 log-probs.
     decisions: dict[int, tuple[tuple[tuple[float, ...], ...], ...]] = attrs.Factory(dict)
     forwards: int = 0  # model forward passes the step ran (prefill chunks, decode, reads)
+    compiles: int = 0  # programs the engine process has compiled so far, this step included
 
 
 @attrs.frozen
@@ -136,6 +137,8 @@ class EngineInfo:
     ctx: int  # tokens per slot this engine runs
     kv_bytes_per_token: int = 0  # K and V of one position, all layers
     decode_bytes: int = 0  # weight bytes one decode step reads
+    decode_weights: str = "float"  # what decode steps read: float, int8 or int4
+    compiles: int = 0  # programs compiled just in time so far (engine.compiles_so_far)
 
 
 @attrs.frozen

@@ -49,7 +49,7 @@ class ServeOptions:
     keep_alive: float = 5.0
     api_key_file: Path | None = None
     cache_ram_mib: int = 0
-    decode_weights: str = "float"
+    decode_weights: str = "auto"
     allowed_hosts: tuple[str, ...] = ()
     ui: bool = False  # the chat page on /
 

@@ -100,6 +100,8 @@ class Supervisor:
         self.info: EngineInfo | None = None
         self.ready = False
         self.restarts = 0
+        self.compiles_after_ready = 0  # across every worker process this server started
+        self._compiles_seen = 0
 
     @property
     def pid(self) -> int | None:
@@ -108,13 +110,17 @@ class Supervisor:
     async def start(self) -> EngineInfo:
         self.worker = self._start_worker()
         self.info = await self.worker.start()
+        self._compiles_seen = self.info.compiles
         self.ready = True
         return self.info
 
     async def step(self, step: Step) -> StepResult:
         """One step under the watchdog deadline: a hung engine is a fault, not a wait."""
         with trio.move_on_after(self.step_timeout):
-            return await self.worker.step(step)
+            result = await self.worker.step(step)
+            self.compiles_after_ready += result.compiles - self._compiles_seen
+            self._compiles_seen = result.compiles
+            return result
         raise WorkerError(f"step {step.index} took longer than {self.step_timeout:g} s")
 
     async def restart(self) -> None:

@@ -25,6 +25,8 @@ import torch
 
 log = logging.getLogger("mashbox")
 
+builds = 0  # times this process ran the extension builder (a compile, or a cached load)
+
 SOURCES = [Path(__file__).with_name(n) for n in ("int8_gemm.cpp", "decode_layers.cpp")]
 
 
@@ -41,6 +43,8 @@ def load():
         return None
     from torch.utils.cpp_extension import load as build
 
+    global builds
+    builds += 1
     build_dir = Path.home() / ".cache" / "mashbox" / "kernels"
     build_dir.mkdir(parents=True, exist_ok=True)
     try:

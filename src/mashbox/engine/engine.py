@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from ..protocol import Admit, Decide, EngineInfo, SamplingParams, Step, StepResult
-from . import int4
+from . import cpu_kernels, int4
 from . import weights as weights_mod
 from .model import MIN_GEMM_ROWS, KVCache, Model
 from .sampling import apply_penalties, sample
@@ -31,6 +32,22 @@ def default_dtype(device: str) -> torch.dtype:
 
 
 DEFAULT_MAX_CTX = 8192
+
+
+def resolve_decode_weights(kind: str, device: str) -> str:
+    """"auto": int8 on a CPU where mashbox's kernels build (a whole decode step in one call,
+    ~7x float32 here), float elsewhere (bf16 on an accelerator)."""
+    if kind != "auto":
+        return kind
+    return "int8" if torch.device(device).type == "cpu" and cpu_kernels.load() else "float"
+
+
+def compiles_so_far() -> int:
+    """Programs this process has compiled or loaded just in time: mashbox's CPU kernels and
+    any torch.compile graphs. The server checks that none happen after it reports ready."""
+    dynamo = sys.modules.get("torch._dynamo")
+    graphs = dynamo.utils.counters["stats"]["unique_graphs"] if dynamo else 0
+    return cpu_kernels.builds + graphs
 
 
 BRANCH_ROWS = 4096  # rows per decision forward: bounds activation memory
@@ -63,6 +80,7 @@ class Engine:
         dtype=None,
         decode_weights: str = "float",
     ):
+        decode_weights = resolve_decode_weights(decode_weights, device)
         # int4 loads the file's own 4-bit blocks; everything else works from float tensors.
         keep = int4.EXACT_QTYPES if decode_weights == "int4" else ()
         loaded = weights_mod.load(Path(path), keep_blocks=keep)
@@ -98,6 +116,8 @@ class Engine:
             ctx=ctx,
             kv_bytes_per_token=self.cache.bytes_per_token,
             decode_bytes=self.model.decode_nbytes,
+            decode_weights=decode_weights,
+            compiles=compiles_so_far(),
         )
 
     @torch.inference_mode()
@@ -142,7 +162,8 @@ class Engine:
             forwards += reads
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return StepResult(tokens, time.perf_counter() - t0, embeddings, decisions, forwards)
+        elapsed = time.perf_counter() - t0
+        return StepResult(tokens, elapsed, embeddings, decisions, forwards, compiles_so_far())
 
     def _decide(self, decide: Decide) -> tuple[tuple, int]:
         """Each branch's candidate log-probs (float32, over the whole vocabulary), and the

@@ -57,8 +57,9 @@ def health_body(state: ServerState) -> dict:
         "deployment_id": ids.deployment_id if ids else None,
         "component_set_sha": ids.component_set_sha if ids else None,
         "certification": "not_certified",  # no certification gate exists
-        # The engine runs eager torch and compiles nothing: 0 after ready, null before.
-        "compiles_after_ready": 0 if state.ready else None,
+        # Kernels are built (or loaded) before the engine reports ready; anything compiled
+        # later would stall a step. Null before ready.
+        "compiles_after_ready": state.supervisor.compiles_after_ready if state.ready else None,
         "routed_experts": None,  # every supported architecture is dense
         "worker_pid": state.supervisor.pid if state.supervisor else None,
         "worker_restarts": state.supervisor.restarts if state.supervisor else 0,
@@ -77,6 +78,7 @@ def model_card(state: ServerState) -> dict:
         "gb": round(info.n_params * (2 if info.dtype == "bfloat16" else 4) / 1e9, 3) if info else 0,
         "bpw": info.bits_per_weight if info else 0,
         "decode_gb": round(info.decode_bytes / 1e9, 6) if info else 0,
+        "decode_weights": info.decode_weights if info else None,
         "prefix_cache": True,
         "slots": state.slots,
         "cache_ram_mib": state.scheduler.prompt_cache.cap_bytes // 2**20 if state.scheduler else 0,

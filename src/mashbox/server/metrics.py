@@ -188,9 +188,8 @@ class _LiveCollector:
         )
         restarts.add_metric(model, state.supervisor.restarts if state.supervisor else 0)
         yield restarts
-        # The engine runs eager torch and compiles nothing, so nothing compiles after ready.
         yield gauge(
             "mashbox:compiles_after_ready",
             "Programs compiled since the server reported ready, in every worker process.",
-            0,
+            state.supervisor.compiles_after_ready if state.supervisor else 0,
         )

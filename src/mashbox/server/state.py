@@ -93,6 +93,7 @@ def model_identity(
             "torch": _version("torch"),
             "device": info.device,
             "dtype": info.dtype,
+            "decode_weights": info.decode_weights,
             "arch": info.arch,
             "ctx": info.ctx,
             "slots": slots,
