@@ -5,7 +5,10 @@
 The Engine alone (no server): each slot is prefilled with the same 64-token prompt, then
 decode steps are timed at each batch size (min and median over --steps steps; the machine
 may be shared, so the min is the better estimate). Prints a torch.profiler table (top ops by
-self CPU time) of one batch-1 decode step of the last kind.
+self CPU time) of one batch-1 decode step of the last kind, and, where that kind decodes
+through DecodeStack (one C++ call the profiler cannot see into), where its milliseconds go:
+the int8 matmuls alone (same matrices, same kernel), the rest of the stack (attention, norms,
+RoPE, residuals), the output head, and sampling.
 """
 
 from __future__ import annotations
@@ -42,6 +45,49 @@ def decode_step(engine: Engine, batch: int, position: int) -> float:
     return engine.step(step).elapsed_s
 
 
+def best_ms(fn, repeats: int = 10) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+@torch.inference_mode()
+def breakdown(engine: Engine, batch: int, position: int) -> None:
+    """Where a DecodeStack step's time goes, part by part (each timed alone, best of 10)."""
+    model = engine.model
+    kernel = model.layers[0]["wqkv"].kernel
+    slots, ids = list(range(batch)), torch.full((batch,), 42)
+    positions = torch.full((batch,), position)
+    inputs = {}
+
+    def matmuls():
+        for layer in model.layers:
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                w = layer[name]
+                x = inputs.setdefault(w.packed.shape[1], torch.randn(batch, w.packed.shape[1]))
+                kernel.int8_linear(x, w.packed, w.scale)
+
+    hidden = model.decode(engine.cache, slots, ids, positions)
+    logits = model.logits(hidden)
+    parts = {
+        "stack": best_ms(lambda: model.decode(engine.cache, slots, ids, positions)),
+        "matmuls": best_ms(matmuls),
+        "head": best_ms(lambda: model.logits(hidden)),
+        "sampling": best_ms(lambda: [engine._sample(s, logits[s], position) for s in slots]),
+    }
+    layer_bytes = model.decode_nbytes - model.lm_head.decode_nbytes
+    print(
+        f"  batch {batch}: DecodeStack {parts['stack']:.2f} ms = int8 matmuls "
+        f"{parts['matmuls']:.2f} ms ({layer_bytes / parts['matmuls'] / 1e6:.1f} GB/s, "
+        f"{2 * batch * layer_bytes / parts['matmuls'] / 1e6:.0f} GFLOP/s) + the rest "
+        f"{parts['stack'] - parts['matmuls']:.2f} ms; head {parts['head']:.2f} ms; "
+        f"sampling {parts['sampling']:.2f} ms"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT)
@@ -73,6 +119,10 @@ def main() -> None:
         decode_step(engine, batch, position)
     print(f"\nOne batch-{batch} decode step, {args.kinds[-1]} weights:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    if engine.model.decode_stack is not None:
+        print(f"\nInside the DecodeStack step ({args.kinds[-1]} weights):")
+        for batch in args.batches:
+            breakdown(engine, batch, position)
 
 
 if __name__ == "__main__":
