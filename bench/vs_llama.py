@@ -1,14 +1,22 @@
-"""Side-by-side: mashbox and llama.cpp (llama-cpp-python's server) on the same GGUF.
+"""Side-by-side: mashbox and llama.cpp (llama-cpp-python's server, or llama-server) on the
+same GGUF.
 
 Installs llama-cpp-python into its own venv on first use (a native CPU build of llama.cpp),
-then starts each server in turn, never both at once, and measures decode tok/s through HTTP
-with decode_http.py's client, and time to first token on a long cold prompt. The ratio column
-is mashbox / llama-cpp-python for rates and llama-cpp-python / mashbox for times (rows ending
-", s"), so above 1 always means mashbox is better.
+or runs a llama-server binary given with --llama-server; then starts each server in turn,
+never both at once, and measures decode tok/s through HTTP with decode_http.py's client, and
+time to first token on a long cold prompt. The ratio column is mashbox / baseline for rates
+and baseline / mashbox for times (rows ending ", s"), so above 1 always means mashbox is
+better.
 
     .venv/bin/python bench/vs_llama.py                  # default model, 1/4/8 streams + TTFT
-    .venv/bin/python bench/vs_llama.py --server-args "--decode-weights int8"
+    .venv/bin/python bench/vs_llama.py --server-args "--decode-weights float"
     .venv/bin/python bench/vs_llama.py --install-only   # just build llama-cpp-python
+    .venv/bin/python bench/vs_llama.py --llama-server PATH/llama-server   # llama.cpp's own
+
+llama-server is built from the llama.cpp sources in llama-cpp-python's sdist (docs/NOTES.md:
+`cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF` then `cmake --build build --target
+llama-server`); it runs one slot per stream (`-np`), continuous batching, and honours
+`ignore_eos` itself.
 """
 
 from __future__ import annotations
@@ -125,18 +133,33 @@ def start_llama(args, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
+def start_llama_server(args, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """Start llama.cpp's own server: a slot per stream, each with the whole --ctx."""
+    port, slots = free_port(), max(args.streams)
+    cmd = [
+        str(args.llama_server), "-m", str(model), "-c", str(args.ctx * slots), "-np", str(slots),
+        "-t", str(args.threads), "-tb", str(args.threads), "--host", "127.0.0.1",
+        "--port", str(port),
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", proc, log)
+    return proc, url
+
+
 def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"llama-cpp-python server exited; see {log}")
+            raise SystemExit(f"the baseline server exited; see {log}")
         try:
             if httpx.get(url, timeout=5).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    raise SystemExit(f"llama-cpp-python server not ready in {timeout} s; see {log}")
+    raise SystemExit(f"the baseline server was not ready in {timeout} s; see {log}")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -216,6 +239,14 @@ def measure(url: str, args, extra: dict) -> dict:
 
 
 def measure_llama(args, model: Path) -> dict:
+    if args.llama_server:
+        log = Path(str(args.llama_server) + ".log")
+        proc, url = start_llama_server(args, model, log)
+        try:
+            print(f"llama-server at {url} (log {log})", flush=True)
+            return measure(url, args, {})
+        finally:
+            stop(proc)
     log = args.llama_venv / "server.log"
     proc, url = start_llama(args, model, log)
     try:
@@ -270,24 +301,29 @@ def ratio(name: str, baseline: float, mashbox: float) -> float:
 
 
 def print_table(args, base: dict, mash: dict) -> None:
-    print("\n| metric | llama-cpp-python | mashbox | ratio (> 1: mashbox better) | ", end="")
+    name = baseline_name(args)
+    print(f"\n| metric | {name} | mashbox | ratio (> 1: mashbox better) | ", end="")
     print("llama-server (issue 13) |\n|---|---|---|---|---|")
     for name, b, m, ref in rows(args, base, mash):
         fmt = ".2f" if is_time(name) else ".1f"
         refs = "-" if ref is None else f"{ref}"
         print(f"| {name} | {b:{fmt}} | {m:{fmt}} | {ratio(name, b, m):.2f} | {refs} |")
-    print(f"TTFT: median of {args.ttft_runs} cold runs; prompt tokens: llama-cpp-python ", end="")
+    print(f"TTFT: median of {args.ttft_runs} cold runs; prompt tokens: {name} ", end="")
     print(f"{base['prompt_tokens']}, mashbox {mash['prompt_tokens']}")
     for n in args.streams:
-        print(f"tokens per stream at {n}: llama-cpp-python {base[n]['counts']}, ", end="")
+        print(f"tokens per stream at {n}: {name} {base[n]['counts']}, ", end="")
         print(f"mashbox {mash[n]['counts']}")
         if base[n]["one_at_a_time"]:
-            print(f"  llama-cpp-python served the {n} streams one after another (serialized)")
-    runs = {"llama-cpp-python": base["load"], "mashbox": mash["load"]}
+            print(f"  {name} served the {n} streams one after another (serialized)")
+    runs = {name: base["load"], "mashbox": mash["load"]}
     loads = ", ".join(f"{who} {a:.2f} -> {b:.2f}" for who, (a, b) in runs.items())
     print(f"1-min load average at start -> end of each server's run: {loads}")
     print(f"  ({os.cpu_count()} cores; the benchmark itself keeps about 2 busy, and the average")
     print("  lags by a minute: a start above ~1.5 before the first server means other jobs)")
+
+
+def baseline_name(args) -> str:
+    return "llama-server" if args.llama_server else "llama-cpp-python"
 
 
 def main() -> None:
@@ -307,8 +343,10 @@ def main() -> None:
         "--llama-keep-eos", action="store_true", help="do not ban end tokens on llama-cpp-python"
     )
     parser.add_argument("--install-only", action="store_true")
+    parser.add_argument("--llama-server", type=Path, help="a llama-server binary: the baseline")
     args = parser.parse_args()
-    ensure_llama(args.llama_venv)
+    if not args.llama_server:
+        ensure_llama(args.llama_venv)
     if args.install_only:
         return
     model = model_file(args.model)

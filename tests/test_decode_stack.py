@@ -1,14 +1,16 @@
 """The one-call CPU decode step (`DecodeStack`, decode_layers.cpp) against the torch ops it
-replaces: the same int8 weights, the same float32 math, one call instead of ~400 ops."""
+replaces: the same int8 or int4 weights, the same float32 math, one call instead of ~400."""
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
 
 from mashbox.engine import cpu_kernels
 from mashbox.engine.engine import Engine
+from mashbox.engine.int4 import Int4Weight
 
 from tinymodels import random_weights, write_gguf
 
@@ -18,10 +20,20 @@ PROMPTS = {0: [5, 17, 3, 88, 42, 7, 19], 2: [9, 8, 7], 3: list(range(20, 60))}
 FED = [11, 23, 5, 70, 2]  # tokens fed to every slot, one a step
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def q4_1(name: str):
+    """Every matrix as Q4_1 blocks (the head too: 97 rows, so it stays int8)."""
+    return gguf.GGMLQuantizationType.Q4_1 if not name.endswith("norm.weight") else None
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("llama", "int8"), ("qwen2", "int8"), ("qwen3", "int8"), ("llama", "int4")],
+    ids=lambda p: "-".join(p),
+)
 def engine(request, tmp_path_factory):
-    """Each architecture's extra: qwen2 q/k/v biases (and a tied head), qwen3 q/k norms."""
-    arch = request.param
+    """Each architecture's extra: qwen2 q/k/v biases (and a tied head), qwen3 q/k norms; and
+    the file's own 4-bit blocks."""
+    arch, kind = request.param
     w = random_weights(vocab=97, qkv_bias=arch == "qwen2", tied=arch == "qwen2", seed=5)
     if arch == "qwen3":
         rng = np.random.default_rng(6)
@@ -30,10 +42,12 @@ def engine(request, tmp_path_factory):
                 w[f"blk.{i}.{name}"] = (1 + 0.1 * rng.standard_normal(16)).astype(np.float32)
     path = write_gguf(
         tmp_path_factory.mktemp(arch) / "m.gguf", w, lambda wr: wr.add_tokenizer_model("gpt2"),
-        arch=arch,
+        arch=arch, qtype_of=q4_1 if kind == "int4" else None,
     )  # fmt: skip
-    engine = Engine(path, slots=4, ctx=64, decode_weights="int8")
+    engine = Engine(path, slots=4, ctx=64, decode_weights=kind)
     assert engine.model.decode_stack is not None
+    layer = engine.model.layers[0]
+    assert isinstance(layer["w_down"], Int4Weight) == (kind == "int4")
     assert (engine.model.layers[0]["q_norm"] is not None) == (arch == "qwen3")
     with torch.inference_mode():
         for slot, ids in PROMPTS.items():

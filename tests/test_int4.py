@@ -54,7 +54,8 @@ def assert_bf16_bound(weight: Int4Weight, ref: torch.Tensor, blocks) -> None:
     """The fast kernel's weights: (q - 8) * bf16(d) + bf16(zero), in float32, then rounded to
     bf16 on the way out of the kernel. Rounding d and zero moves a weight by at most
     e = EPS * (8 |d| + |zero|); the identity product's bf16 output adds EPS * |w|."""
-    q, d, zero = (torch.cat(t) for t in zip(*(unpack(b) for b in blocks), strict=True))
+    q, d, m = (torch.cat(t) for t in zip(*(unpack(b) for b in blocks), strict=True))
+    q, d, zero = q.int(), d.float(), m.float() + 8 * d.float()
     n, k = q.shape
     groups = (n, k // 32, 32)
     s16, z16 = d.bfloat16().float()[..., None], zero.bfloat16().float()[..., None]
@@ -74,8 +75,8 @@ def test_tiny_q4_blocks_load_exactly_in_float32_and_within_the_bf16_bound(tiny4)
     ]
     for ref, blocks in pairs:
         # float32 activations and scales: the kernel reproduces dequant.py's weights bit for bit.
-        assert torch.equal(Int4Weight(ref, blocks, dtype=torch.float32).dequantized(), ref)
-        assert_bf16_bound(Int4Weight(ref, blocks), ref, blocks)
+        assert torch.equal(Int4Weight(ref, blocks, dtype=torch.float32, ours=False).dequantized(), ref)
+        assert_bf16_bound(Int4Weight(ref, blocks, ours=False), ref, blocks)
 
 
 def test_int4_engine_uses_int4_where_blocks_allow_and_int8_elsewhere(tmp_path):
@@ -125,8 +126,8 @@ def test_real_q4_1_blocks_load_exactly():
     # The kernel itself on layer 0's matrices (q and k rows un-permuted block by block).
     for ref, blocks in matrices(loaded, 1):
         if ref.numel() <= 960 * 576:  # the float32 kernel is slow: wqkv and wo are enough
-            assert torch.equal(Int4Weight(ref, blocks, dtype=torch.float32).dequantized(), ref)
-        assert_bf16_bound(Int4Weight(ref, blocks), ref, blocks)
+            assert torch.equal(Int4Weight(ref, blocks, dtype=torch.float32, ours=False).dequantized(), ref)
+        assert_bf16_bound(Int4Weight(ref, blocks, ours=False), ref, blocks)
 
 
 PROMPTS = [

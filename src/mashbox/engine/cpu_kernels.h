@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <vector>
 
 // f(i) for every i in [0, n) on torch's threads, which take `chunk` indices at a time as they
 // become free. A static split (at::parallel_for) makes the whole call wait for a thread that
@@ -27,3 +28,10 @@ void int8_gemm(const float* x, const int8_t* p, const float* scale, float* y, in
                int64_t K, int64_t N);
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor p, torch::Tensor scale);
+
+// The same with a GGUF file's own Q4_0/Q4_1 blocks, packed by pack_q4 (q4_gemm.cpp); N and K
+// multiples of 32.
+void q4_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
+             int64_t K, int64_t N);
+
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);

@@ -27,7 +27,9 @@ log = logging.getLogger("mashbox")
 
 builds = 0  # times this process ran the extension builder (a compile, or a cached load)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("int8_gemm.cpp", "decode_layers.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("int8_gemm.cpp", "q4_gemm.cpp", "decode_layers.cpp")
+]
 
 
 def _supported() -> bool:
@@ -72,3 +74,14 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
     if pad:
         q = torch.cat([q, q.new_zeros(pad, k)])
     return q.view(-1, TILE, k).transpose(1, 2).contiguous()
+
+
+def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF matrix's 4-bit blocks as q4_gemm.cpp reads them: q uint8 [N, K] in 0..15 and
+    fp16 d, m [N, K / 32] (w = q * d + m) -> qs uint8 [N / 32, K / 2, 32] (weights k and
+    k + 1 of an output in one byte, low nibble first) and dm fp16 [N / 32, K / 32, 2, 32]."""
+    n, k = q.shape
+    tiles = q.view(n // TILE, TILE, k).transpose(1, 2)  # [N / 32, K, 32]
+    qs = (tiles[:, 0::2] | (tiles[:, 1::2] << 4)).contiguous()
+    dm = torch.stack([d, m], dim=-1).view(n // TILE, TILE, k // 32, 2)
+    return qs, dm.permute(0, 2, 3, 1).contiguous()

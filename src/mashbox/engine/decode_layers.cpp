@@ -3,12 +3,13 @@
 #include <cmath>
 #include <vector>
 
-// One whole decode step of a Llama-family decoder on the CPU, int8 weights: every layer's
-// norms, int8 matmuls, RoPE, KV write, attention, SiLU and residuals in one call, so a step
-// costs one Python call instead of ~400 small torch ops (~8 ms of dispatch at batch 1 on the
-// 2-core machines here, as much as reading the weights). Each batch row is computed on its
-// own, in the same order whatever the batch holds: a row's bits do not depend on its
-// neighbours. The float32 `Model.forward` in model.py is the reference it is tested against.
+// One whole decode step of a Llama-family decoder on the CPU with int8 or int4 weights:
+// every layer's norms, matmuls, RoPE, KV write, attention, SiLU and residuals in one call,
+// so a step costs one Python call instead of ~400 small torch ops (~8 ms of dispatch at
+// batch 1 on the 2-core machines here, as much as reading the weights). Each batch row is
+// computed on its own, in the same order whatever the batch holds: a row's bits do not
+// depend on its neighbours. The float32 `Model.forward` in model.py is the reference it is
+// tested against.
 
 // e^x for 8 floats: Cephes' expf polynomial (about 1 ulp), for softmax and SiLU.
 static inline __m256 exp8(__m256 x) {
@@ -103,17 +104,25 @@ static void attend(const float* q, const float* k, const float* v, float* out, i
   }
 }
 
-struct Int8Mat {  // packed int8 weights (int8_gemm.cpp) and their per-row scales
-  torch::Tensor p, scale;
+// A decode matrix: int8 (packed weights, per-row scales: int8_gemm.cpp) or a GGUF's own
+// 4-bit blocks (qs, dm: q4_gemm.cpp), told apart by the first tensor's dtype.
+struct Mat {
+  torch::Tensor a, b;
+  bool int8() const { return a.scalar_type() == torch::kChar; }
+  int64_t n() const { return int8() ? b.size(0) : a.size(0) * 32; }
+  int64_t k() const { return int8() ? a.size(1) : a.size(1) * 2; }
   void operator()(const float* x, float* y, int64_t rows) const {
-    int8_gemm(x, p.data_ptr<int8_t>(), scale.data_ptr<float>(), y, rows, p.size(1), n());
+    if (int8())
+      int8_gemm(x, a.data_ptr<int8_t>(), b.data_ptr<float>(), y, rows, k(), n());
+    else
+      q4_gemm(x, a.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(b.data_ptr<at::Half>()),
+              y, rows, k(), n());
   }
-  int64_t n() const { return scale.size(0); }
 };
 
 struct Layer {
   torch::Tensor attn_norm, bqkv, q_norm, k_norm, ffn_norm;  // absent ones have no elements
-  Int8Mat wqkv, wo, gate_up, down;
+  Mat wqkv, wo, gate_up, down;
 };
 
 static const float* data_or_null(const torch::Tensor& t) {
@@ -122,9 +131,8 @@ static const float* data_or_null(const torch::Tensor& t) {
 
 class DecodeStack {
  public:
-  // Each layer: attn_norm, wqkv packed, wqkv scale, bqkv, q_norm, k_norm, wo packed, wo
-  // scale, ffn_norm, gate_up packed, gate_up scale, down packed, down scale (empty tensors
-  // where absent).
+  // Each layer: attn_norm, wqkv (2 tensors), bqkv, q_norm, k_norm, wo (2), ffn_norm,
+  // gate_up (2), down (2), each matrix int8 or 4-bit (Mat); empty tensors where absent.
   DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, torch::Tensor final_norm,
               torch::Tensor cos, torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
               int64_t head_dim, double eps)
@@ -160,7 +168,7 @@ class DecodeStack {
                   slot[b] < n_slots, "position or slot out of range");
       longest = std::max(longest, pos[b] + 1);
     }
-    const int64_t n_qkv = layers_[0].wqkv.n(), ffn = layers_[0].down.p.size(1);
+    const int64_t n_qkv = layers_[0].wqkv.n(), ffn = layers_[0].down.k();
     std::vector<float> h(B * D), qkv(B * n_qkv), att(B * nh * hd), gu(B * 2 * ffn), act(B * ffn),
         y(B * D);
     float* xs = x.data_ptr<float>();
@@ -226,6 +234,7 @@ class DecodeStack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = x . (q * scale)^T, q packed by pack_int8");
+  m.def("q4_linear", &q4_linear, "y = x . W^T, W a GGUF's 4-bit blocks packed by pack_q4");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, torch::Tensor,
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double>())

@@ -35,11 +35,12 @@ DEFAULT_MAX_CTX = 8192
 
 
 def resolve_decode_weights(kind: str, device: str) -> str:
-    """"auto": int8 on a CPU where mashbox's kernels build (a whole decode step in one call,
-    ~7x float32 here), float elsewhere (bf16 on an accelerator)."""
+    """"auto": on a CPU where mashbox's kernels build, int4 (the file's own Q4_0/Q4_1 blocks
+    where it has them, int8 for other matrices; a whole decode step in one call, ~8x float32
+    here); float elsewhere (bf16 on an accelerator)."""
     if kind != "auto":
         return kind
-    return "int8" if torch.device(device).type == "cpu" and cpu_kernels.load() else "float"
+    return "int4" if torch.device(device).type == "cpu" and cpu_kernels.load() else "float"
 
 
 def compiles_so_far() -> int:
@@ -116,7 +117,7 @@ class Engine:
             ctx=ctx,
             kv_bytes_per_token=self.cache.bytes_per_token,
             decode_bytes=self.model.decode_nbytes,
-            decode_weights=decode_weights,
+            decode_weights=self.model.decode_kind,
             compiles=compiles_so_far(),
         )
 

@@ -1,11 +1,13 @@
-"""int4 decode weights loaded from a GGUF's own 4-bit blocks, for torch's CPU int4 kernel.
+"""int4 decode weights loaded from a GGUF's own 4-bit blocks, never re-quantized.
 
 A Q4_1 block is 32 weights w = q * d + m (q in 0..15, d and m fp16); a Q4_0 block is
-w = (q - 8) * d. The kernel computes w = (q - 8) * scale + zero per group of 32, so both load
-without re-quantizing: scale = d, zero = m + 8 * d (Q4_1) or 0 (Q4_0). In float32 that is
-exact whenever m + 8 * d is (every block of SmolLM2: (q - 8) * d is exact, so the sum rounds
-once, like q * d + m), but the kernel is only fast with bf16 activations, and its scales
-must share their dtype: README "Decode weights".
+w = (q - 8) * d, that is m = -8 d. Two kernels read them:
+- mashbox's (q4_gemm.cpp, where the CPU kernels build): q, d and m as stored, float32
+  activations; the file's weights exactly, the fastest decode path here.
+- torch's `_weight_int4pack_mm_for_cpu`, which computes w = (q - 8) * scale + zero per group
+  of 32: scale = d, zero = m + 8 d. In float32 that is exact whenever m + 8 d is (every
+  block of SmolLM2), but the kernel is only fast with bf16 activations, and its scales must
+  share their dtype: README "Decode weights".
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from torch import Tensor
 
+from . import cpu_kernels
 from .weights import RawBlocks
 
 GROUP = 32  # the GGUF block: one kernel group
@@ -31,55 +34,71 @@ def fits(blocks: list[RawBlocks | None]) -> bool:
 
 
 def unpack(blocks: RawBlocks) -> tuple[Tensor, Tensor, Tensor]:
-    """Nibbles int32 [N, K] and per-group scale and zero float32 [N, K / 32], such that
-    w = (q - 8) * scale + zero reproduces the file's dequantized weights."""
+    """Nibbles uint8 [N, K] and each block's d and m, fp16 [N, K / 32], as stored (Q4_0:
+    m = -8 d, exact in fp16): w = q * d + m."""
     b = blocks.data
-    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
     if blocks.qtype == Q.Q4_1:
-        zero = b[..., 2:4].contiguous().view(torch.float16)[..., 0].float() + 8.0 * d
+        m = b[..., 2:4].contiguous().view(torch.float16)[..., 0]
         qs = b[..., 4:]
     else:
-        zero = torch.zeros_like(d)
+        m = d * -8
         qs = b[..., 2:]
     # Byte j of a block holds weight j (low nibble) and weight j + 16 (high nibble).
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(b.shape[0], -1).to(torch.int32)
-    return q, d, zero
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(b.shape[0], -1)
+    return q, d, m
 
 
 class Int4Weight:
-    """A weight kept twice: float for prefill-sized batches, and the file's 4-bit blocks packed
-    for torch's int4 kernel for decode, where reading the weights is the whole cost."""
+    """A weight kept twice: float for prefill-sized batches, and the file's 4-bit blocks for
+    decode, where reading the weights is the whole cost."""
 
-    def __init__(self, w: Tensor, blocks: list[RawBlocks], dtype=torch.bfloat16):
-        """`blocks`: the parts of w (e.g. q, k, v) in order; dtype: of activations and scales
-        in the kernel (bf16 is the fast one; float32 is exact but takes a scalar path)."""
+    def __init__(self, w: Tensor, blocks: list[RawBlocks], dtype=torch.bfloat16, ours=True):
+        """`blocks`: the parts of w (e.g. q, k, v) in order. mashbox's kernel where it builds
+        and `ours`; else torch's, with activations and scales in `dtype` (bf16 is its fast
+        one; float32 is exact but takes a scalar path)."""
         if w.device.type != "cpu":
             raise ValueError("int4 decode weights run on the CPU only")
         parts = [unpack(b) for b in blocks]
-        q, scale, zero = (torch.cat(p) for p in zip(*parts, strict=True))
+        q, d, m = (torch.cat(p) for p in zip(*parts, strict=True))
         if q.shape != w.shape:
             raise ValueError(f"blocks of shape {tuple(q.shape)} for a weight {tuple(w.shape)}")
         self.w = w
         self.dtype = dtype
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        # [K / 32, N, 2]: the kernel's layout.
-        self.scales_and_zeros = torch.stack([scale.T, zero.T], dim=-1).to(dtype).contiguous()
+        self.kernel = cpu_kernels.load() if ours and q.shape[0] % cpu_kernels.TILE == 0 else None
+        if self.kernel is not None:
+            self.qs, self.dm = cpu_kernels.pack_q4(q, d, m)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            # [K / 32, N, 2]: the kernel's layout; w = (q - 8) * d + (m + 8 d).
+            zero = m.float() + 8 * d.float()
+            self.scales_and_zeros = torch.stack([d.T, zero.T], dim=-1).to(dtype).contiguous()
 
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         if x.shape[0] > INT4_MAX_ROWS:
             return F.linear(x, self.w, bias)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(self.dtype), self.packed, GROUP, self.scales_and_zeros
-        ).to(x.dtype)
+        if self.kernel is not None:
+            y = self.kernel.q4_linear(x.float().contiguous(), self.qs, self.dm).to(x.dtype)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(self.dtype), self.packed, GROUP, self.scales_and_zeros
+            ).to(x.dtype)
         return y + bias if bias is not None else y
 
     @property
+    def decode_tensors(self) -> tuple[Tensor, ...]:
+        return (self.qs, self.dm) if self.kernel is not None else (self.packed, self.scales_and_zeros)
+
+    @property
     def decode_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros))
+        return sum(t.numel() * t.element_size() for t in self.decode_tensors)
 
     def dequantized(self) -> Tensor:
-        """The weights the kernel multiplies by, [N, K] in self.dtype (x = identity)."""
+        """The weights the kernel multiplies by, [N, K] (x = identity): float32 from ours,
+        self.dtype from torch's."""
         k = self.w.shape[1]
+        if self.kernel is not None:
+            return self.kernel.q4_linear(torch.eye(k), self.qs, self.dm).T
         eye = torch.eye(k, dtype=self.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, self.packed, GROUP, self.scales_and_zeros

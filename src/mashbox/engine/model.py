@@ -72,9 +72,12 @@ class Int8Weight:
         return y + bias if bias is not None else y
 
     @property
+    def decode_tensors(self) -> tuple[Tensor, ...]:
+        return (self.packed if self.kernel is not None else self.q), self.scale
+
+    @property
     def decode_nbytes(self) -> int:
-        q = self.packed if self.kernel is not None else self.q
-        return q.numel() + 4 * self.scale.numel()
+        return sum(t.numel() * t.element_size() for t in self.decode_tensors)
 
 
 def nbytes(w) -> int:
@@ -198,7 +201,7 @@ class Model:
 
     def _decode_stack(self):
         """The whole decode step as one call into the CPU kernels, where every layer matrix
-        is int8 on mashbox's kernel and activations are float32; None otherwise."""
+        is int8 or int4 on mashbox's kernels and activations are float32; None otherwise."""
         cfg, mats = self.cfg, ("wqkv", "wo", "w_gate_up", "w_down")
         usable = (
             self.device.type == "cpu"
@@ -206,22 +209,33 @@ class Model:
             and cfg.d_model % 8 == 0
             and cfg.head_dim % 8 == 0
             and cfg.d_ff % 8 == 0
-            and all(isinstance(w[m], Int8Weight) and w[m].kernel for w in self.layers for m in mats)
+            and all(
+                isinstance(w[m], (Int8Weight, int4.Int4Weight)) and w[m].kernel
+                for w in self.layers
+                for m in mats
+            )
         )
         if not usable:
             return None
         absent = torch.empty(0)
         layers = [
-            [w["attn_norm"], w["wqkv"].packed, w["wqkv"].scale]
+            [w["attn_norm"], *w["wqkv"].decode_tensors]
             + [absent if t is None else t for t in (w["bqkv"], w["q_norm"], w["k_norm"])]
-            + [w["wo"].packed, w["wo"].scale, w["ffn_norm"]]
-            + [w["w_gate_up"].packed, w["w_gate_up"].scale, w["w_down"].packed, w["w_down"].scale]
+            + [*w["wo"].decode_tensors, w["ffn_norm"]]
+            + [*w["w_gate_up"].decode_tensors, *w["w_down"].decode_tensors]
             for w in self.layers
         ]
         return cpu_kernels.load().DecodeStack(
             layers, self.final_norm, self.cos, self.sin,
             cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps,
         )  # fmt: skip
+
+    @property
+    def decode_kind(self) -> str:
+        """What decode steps read: "int4" if any layer matrix is the file's 4-bit blocks (the
+        rest int8), "int8", or "float"."""
+        kinds = {type(w) for layer in self.layers for w in layer.values()}
+        return "int4" if int4.Int4Weight in kinds else "int8" if Int8Weight in kinds else "float"
 
     @property
     def decode_nbytes(self) -> int:

@@ -1,0 +1,107 @@
+#include "cpu_kernels.h"
+
+// y[M, N] = x[M, K] . W^T with W a GGUF file's own 4-bit blocks, not re-quantized: each
+// block of 32 k holds w = q * d + m (q in 0..15, d and m fp16; Q4_0's w = (q - 8) * d is
+// m = -8 d). Per output and block the kernel sums q * x in k order, then adds
+// d * that + m * sum(x over the block): the file's weights exactly, float32 activations,
+// 0.625 bytes a weight (int8: 1). Like int8_gemm.cpp every output has one order of
+// operations whatever M is, so a row's bits do not depend on the batch.
+//
+// Packed by pack_q4 (cpu_kernels.py) in tiles of 32 outputs: qs[N / 32][K / 2][32] bytes
+// holding weights k (low nibble) and k + 1 (high) of an output, and dm[N / 32][K / 32][2][32]
+// fp16, each block's d then m for the tile's outputs.
+
+#define UNROLL _Pragma("GCC unroll 16")
+
+static constexpr int64_t TILE = 32, BLOCK = 32;
+
+// V vectors of 8 outputs (vector v in tile v / 4, columns (v % 4) * 8) for MB rows.
+template <int V, int MB>
+static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs,
+                            const uint16_t* dm, float* y, int64_t n0, int64_t m0, int64_t K,
+                            int64_t N) {
+  const int64_t blocks = K / BLOCK, tile_qs = K / 2 * TILE, tile_dm = blocks * 2 * TILE;
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  alignas(32) float out[MB][V * 8] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 in[MB][V];
+    UNROLL for (int j = 0; j < MB; ++j)
+      UNROLL for (int v = 0; v < V; ++v) in[j][v] = _mm256_setzero_ps();
+    for (int64_t kp = 0; kp < BLOCK / 2; ++kp) {
+      const int64_t k = b * BLOCK + 2 * kp;
+      __m256 x0[MB], x1[MB];
+      UNROLL for (int j = 0; j < MB; ++j) {
+        x0[j] = _mm256_broadcast_ss(x + (m0 + j) * K + k);
+        x1[j] = _mm256_broadcast_ss(x + (m0 + j) * K + k + 1);
+      }
+      UNROLL for (int v = 0; v < V; ++v) {
+        const uint8_t* p = qs + (v / 4) * tile_qs + (k / 2) * TILE + (v % 4) * 8;
+        const __m256i pairs =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(pairs, low));
+        UNROLL for (int j = 0; j < MB; ++j) in[j][v] = _mm256_fmadd_ps(w0, x0[j], in[j][v]);
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(pairs, 4));
+        UNROLL for (int j = 0; j < MB; ++j) in[j][v] = _mm256_fmadd_ps(w1, x1[j], in[j][v]);
+      }
+    }
+    UNROLL for (int v = 0; v < V; ++v) {
+      const uint16_t* s = dm + (v / 4) * tile_dm + b * 2 * TILE + (v % 4) * 8;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + TILE)));
+      UNROLL for (int j = 0; j < MB; ++j) {
+        __m256 o = _mm256_fmadd_ps(d, in[j][v], _mm256_load_ps(out[j] + v * 8));
+        o = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum + (m0 + j) * blocks + b), o);
+        _mm256_store_ps(out[j] + v * 8, o);
+      }
+    }
+  }
+  UNROLL for (int j = 0; j < MB; ++j)
+    UNROLL for (int v = 0; v < V; ++v) {
+      const int64_t n = n0 + (v / 4) * TILE + (v % 4) * 8;
+      _mm256_storeu_ps(y + (m0 + j) * N + n, _mm256_load_ps(out[j] + v * 8));
+    }
+}
+
+void q4_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
+             int64_t K, int64_t N) {
+  const int64_t blocks = K / BLOCK, tiles = N / TILE;
+  const int64_t tile_qs = K / 2 * TILE, tile_dm = blocks * 2 * TILE;
+  // Each row's block sums, once a call (the same for every output).
+  std::vector<float> xsum(M * blocks);
+  for (int64_t r = 0; r < M * blocks; ++r) {
+    float s = 0.0f;
+    for (int64_t k = 0; k < BLOCK; ++k) s += x[r * BLOCK + k];
+    xsum[r] = s;
+  }
+  const float* xs = xsum.data();
+  if (M == 1) {  // two tiles at once: eight accumulators hide the FMA latency
+    parallel_chunks(tiles / 2, 2, [&](int64_t t) {
+      q4_block<8, 1>(x, xs, qs + 2 * t * tile_qs, dm + 2 * t * tile_dm, y, 2 * t * TILE, 0, K, N);
+    });
+    if (tiles % 2) {
+      const int64_t t = tiles - 1;
+      q4_block<4, 1>(x, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0, K, N);
+    }
+    return;
+  }
+  parallel_chunks(tiles, 1, [&](int64_t t) {
+    const uint8_t* q = qs + t * tile_qs;
+    const uint16_t* s = dm + t * tile_dm;
+    int64_t m = 0;
+    for (; M - m >= 2; m += 2) q4_block<4, 2>(x, xs, q, s, y, t * TILE, m, K, N);
+    if (M - m == 1) q4_block<4, 1>(x, xs, q, s, y, t * TILE, m, K, N);
+  });
+}
+
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
+  TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kByte && dm.dtype() == torch::kHalf);
+  TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && dm.is_contiguous());
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE;
+  TORCH_CHECK(K % BLOCK == 0 && qs.dim() == 3 && qs.size(1) * 2 == K && qs.size(2) == TILE &&
+              dm.dim() == 4 && dm.size(0) == qs.size(0) && dm.size(1) * BLOCK == K,
+              "qs/dm must be packed by pack_q4 for K = ", K);
+  auto y = torch::empty({M, N}, x.options());
+  q4_gemm(x.data_ptr<float>(), qs.data_ptr<uint8_t>(),
+          reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), M, K, N);
+  return y;
+}
