@@ -304,10 +304,10 @@ def print_table(args, base: dict, mash: dict) -> None:
     name = baseline_name(args)
     print(f"\n| metric | {name} | mashbox | ratio (> 1: mashbox better) | ", end="")
     print("llama-server (issue 13) |\n|---|---|---|---|---|")
-    for name, b, m, ref in rows(args, base, mash):
-        fmt = ".2f" if is_time(name) else ".1f"
+    for metric, b, m, ref in rows(args, base, mash):
+        fmt = ".2f" if is_time(metric) else ".1f"
         refs = "-" if ref is None else f"{ref}"
-        print(f"| {name} | {b:{fmt}} | {m:{fmt}} | {ratio(name, b, m):.2f} | {refs} |")
+        print(f"| {metric} | {b:{fmt}} | {m:{fmt}} | {ratio(metric, b, m):.2f} | {refs} |")
     print(f"TTFT: median of {args.ttft_runs} cold runs; prompt tokens: {name} ", end="")
     print(f"{base['prompt_tokens']}, mashbox {mash['prompt_tokens']}")
     for n in args.streams:
