@@ -7,8 +7,8 @@ decode steps are timed at each batch size (min and median over --steps steps; th
 may be shared, so the min is the better estimate). Prints a torch.profiler table (top ops by
 self CPU time) of one batch-1 decode step of the last kind, and, where that kind decodes
 through DecodeStack (one C++ call the profiler cannot see into), where its milliseconds go:
-the int8 matmuls alone (same matrices, same kernel), the rest of the stack (attention, norms,
-RoPE, residuals), the output head, and sampling.
+the whole stack, its layer matmuls alone (same matrices, same kernels; the rest of the stack
+is attention, norms, RoPE and residuals), the output head, and sampling.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ def best_ms(fn, repeats: int = 10) -> float:
 def breakdown(engine: Engine, batch: int, position: int) -> None:
     """Where a DecodeStack step's time goes, part by part (each timed alone, best of 10)."""
     model = engine.model
-    kernel = model.layers[0]["wqkv"].kernel
     slots, ids = list(range(batch)), torch.full((batch,), 42)
     positions = torch.full((batch,), position)
     inputs = {}
@@ -66,9 +65,8 @@ def breakdown(engine: Engine, batch: int, position: int) -> None:
     def matmuls():
         for layer in model.layers:
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-                w = layer[name]
-                x = inputs.setdefault(w.packed.shape[1], torch.randn(batch, w.packed.shape[1]))
-                kernel.int8_linear(x, w.packed, w.scale)
+                w = layer[name]  # an int8 or int4 decode weight: its kernel, as in the stack
+                w(inputs.setdefault(w.w.shape[1], torch.randn(batch, w.w.shape[1])))
 
     hidden = model.decode(engine.cache, slots, ids, positions)
     logits = model.logits(hidden)
@@ -78,13 +76,14 @@ def breakdown(engine: Engine, batch: int, position: int) -> None:
         "head": best_ms(lambda: model.logits(hidden)),
         "sampling": best_ms(lambda: [engine._sample(s, logits[s], position) for s in slots]),
     }
-    layer_bytes = model.decode_nbytes - model.lm_head.decode_nbytes
+    mats = [layer[name] for layer in model.layers for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+    read = sum(w.decode_nbytes for w in mats)
+    flops = 2 * batch * sum(w.w.numel() for w in mats)
     print(
-        f"  batch {batch}: DecodeStack {parts['stack']:.2f} ms = int8 matmuls "
-        f"{parts['matmuls']:.2f} ms ({layer_bytes / parts['matmuls'] / 1e6:.1f} GB/s, "
-        f"{2 * batch * layer_bytes / parts['matmuls'] / 1e6:.0f} GFLOP/s) + the rest "
-        f"{parts['stack'] - parts['matmuls']:.2f} ms; head {parts['head']:.2f} ms; "
-        f"sampling {parts['sampling']:.2f} ms"
+        f"  batch {batch}: DecodeStack {parts['stack']:.2f} ms; its {len(mats)} matmuls called "
+        f"one by one {parts['matmuls']:.2f} ms ({read / parts['matmuls'] / 1e6:.1f} GB/s, "
+        f"{flops / parts['matmuls'] / 1e6:.0f} GFLOP/s; a few us a call of Python the stack "
+        f"does not pay); head {parts['head']:.2f} ms; sampling {parts['sampling']:.2f} ms"
     )
 
 

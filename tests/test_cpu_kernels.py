@@ -94,3 +94,21 @@ def test_q4_linear_multiplies_by_the_files_weights_exactly(n, k):
     alone = torch.cat([kernel.q4_linear(x[i : i + 1], qs, dm) for i in range(16)])
     for m in range(1, 17):
         assert torch.equal(kernel.q4_linear(x[:m], qs, dm), alone[:m]), m
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (64, 64), (96, 1536)])
+def test_q8_linear_multiplies_by_the_files_weights_exactly(n, k):
+    """The same for Q8_0 blocks (w = q * d): exact weights, close products, batch-free bits."""
+    g = torch.Generator().manual_seed(n + k)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    d = (torch.rand(n, k // 32, generator=g) / 64).half()
+    w = q.float() * d.float().repeat_interleave(32, 1)
+    qs, ds = cpu_kernels.pack_q8(q, d)
+    assert torch.equal(kernel.q8_linear(torch.eye(k), qs, ds).T, w)
+    x = torch.randn(16, k, generator=g)
+    y = kernel.q8_linear(x, qs, ds)
+    bound = (k + 70) * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
+    assert ((y.double() - x.double() @ w.double().T).abs() <= bound).all()
+    alone = torch.cat([kernel.q8_linear(x[i : i + 1], qs, ds) for i in range(16)])
+    for m in range(1, 17):
+        assert torch.equal(kernel.q8_linear(x[:m], qs, ds), alone[:m]), m

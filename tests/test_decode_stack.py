@@ -10,7 +10,7 @@ import torch
 
 from mashbox.engine import cpu_kernels
 from mashbox.engine.engine import Engine
-from mashbox.engine.int4 import Int4Weight
+from mashbox.engine.int4 import Int4Weight, Q8Weight
 
 from tinymodels import random_weights, write_gguf
 
@@ -20,20 +20,21 @@ PROMPTS = {0: [5, 17, 3, 88, 42, 7, 19], 2: [9, 8, 7], 3: list(range(20, 60))}
 FED = [11, 23, 5, 70, 2]  # tokens fed to every slot, one a step
 
 
-def q4_1(name: str):
-    """Every matrix as Q4_1 blocks (the head too: 97 rows, so it stays int8)."""
-    return gguf.GGMLQuantizationType.Q4_1 if not name.endswith("norm.weight") else None
+Q = gguf.GGMLQuantizationType
+KINDS = {"int8": (None, None), "int4": (Q.Q4_1, Int4Weight), "int4-q8": (Q.Q8_0, Q8Weight)}
 
 
 @pytest.fixture(
     scope="module",
-    params=[("llama", "int8"), ("qwen2", "int8"), ("qwen3", "int8"), ("llama", "int4")],
+    params=[("llama", "int8"), ("qwen2", "int8"), ("qwen3", "int8"), ("llama", "int4"),
+            ("llama", "int4-q8")],  # fmt: skip
     ids=lambda p: "-".join(p),
 )
 def engine(request, tmp_path_factory):
     """Each architecture's extra: qwen2 q/k/v biases (and a tied head), qwen3 q/k norms; and
-    the file's own 4-bit blocks."""
+    the file's own Q4_1 or Q8_0 blocks, every matrix (the 97-row head stays int8)."""
     arch, kind = request.param
+    qtype, weight_class = KINDS[kind]
     w = random_weights(vocab=97, qkv_bias=arch == "qwen2", tied=arch == "qwen2", seed=5)
     if arch == "qwen3":
         rng = np.random.default_rng(6)
@@ -42,12 +43,12 @@ def engine(request, tmp_path_factory):
                 w[f"blk.{i}.{name}"] = (1 + 0.1 * rng.standard_normal(16)).astype(np.float32)
     path = write_gguf(
         tmp_path_factory.mktemp(arch) / "m.gguf", w, lambda wr: wr.add_tokenizer_model("gpt2"),
-        arch=arch, qtype_of=q4_1 if kind == "int4" else None,
+        arch=arch, qtype_of=lambda name: None if name.endswith("norm.weight") else qtype,
     )  # fmt: skip
-    engine = Engine(path, slots=4, ctx=64, decode_weights=kind)
+    engine = Engine(path, slots=4, ctx=64, decode_weights=kind.removesuffix("-q8"))
     assert engine.model.decode_stack is not None
-    layer = engine.model.layers[0]
-    assert isinstance(layer["w_down"], Int4Weight) == (kind == "int4")
+    if weight_class is not None:
+        assert isinstance(engine.model.layers[0]["w_down"], weight_class)
     assert (engine.model.layers[0]["q_norm"] is not None) == (arch == "qwen3")
     with torch.inference_mode():
         for slot, ids in PROMPTS.items():

@@ -75,7 +75,9 @@ def test_tiny_q4_blocks_load_exactly_in_float32_and_within_the_bf16_bound(tiny4)
     ]
     for ref, blocks in pairs:
         # float32 activations and scales: the kernel reproduces dequant.py's weights bit for bit.
-        assert torch.equal(Int4Weight(ref, blocks, dtype=torch.float32, ours=False).dequantized(), ref)
+        assert torch.equal(
+            Int4Weight(ref, blocks, dtype=torch.float32, ours=False).dequantized(), ref
+        )
         assert_bf16_bound(Int4Weight(ref, blocks, ours=False), ref, blocks)
 
 
@@ -126,7 +128,9 @@ def test_real_q4_1_blocks_load_exactly():
     # The kernel itself on layer 0's matrices (q and k rows un-permuted block by block).
     for ref, blocks in matrices(loaded, 1):
         if ref.numel() <= 960 * 576:  # the float32 kernel is slow: wqkv and wo are enough
-            assert torch.equal(Int4Weight(ref, blocks, dtype=torch.float32, ours=False).dequantized(), ref)
+            assert torch.equal(
+                Int4Weight(ref, blocks, dtype=torch.float32, ours=False).dequantized(), ref
+            )
         assert_bf16_bound(Int4Weight(ref, blocks, ours=False), ref, blocks)
 
 
@@ -179,13 +183,17 @@ def test_real_greedy_against_float32(kind):
     differs = fast.argmax(-1) != tokens
     top2 = ref.topk(2, dim=-1).values
     margin = top2[..., 0] - top2[..., 1]
-    print(f"{kind} agreed tokens per prompt:", [int(d.nonzero()[0]) if d.any() else STEPS for d in differs])
+    print(
+        f"{kind} agreed tokens per prompt:",
+        [int(d.nonzero()[0]) if d.any() else STEPS for d in differs],
+    )
     print(f"float32 margins where {kind} picks another token:", margin[differs].tolist())
     print("max |logit change|:", float((fast - ref).abs().max()))
-    # Quantized weights move logits by up to ~1 (int4: the file's own blocks, bf16
-    # activations) or ~2 (int8: one scale per output channel, coarser than the file's blocks
-    # of 32); picks differ only at near-ties of the float32 path, and rarely.
-    largest_change, near_tie = {"int4": (1.5, 0.3), "int8": (2.5, 0.5)}[kind]
+    # int4 reads the file's own blocks (Q4_1 layers, the Q8_0 head) exactly, so only float32
+    # rounding order moves its logits (~1e-4 seen); int8 (one scale per output channel,
+    # coarser than the file's blocks of 32) moves them by up to ~2, and its picks differ at
+    # near-ties of the float32 path, rarely.
+    largest_change, near_tie = {"int4": (1e-3, 1e-3), "int8": (2.5, 0.5)}[kind]
     assert float((fast - ref).abs().max()) < largest_change
     assert (margin[differs] < near_tie).all()
     assert differs.sum() <= 0.1 * differs.numel()

@@ -29,9 +29,12 @@ void int8_gemm(const float* x, const int8_t* p, const float* scale, float* y, in
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor p, torch::Tensor scale);
 
-// The same with a GGUF file's own Q4_0/Q4_1 blocks, packed by pack_q4 (q4_gemm.cpp); N and K
-// multiples of 32.
+// The same with a GGUF file's own Q4_0/Q4_1 or Q8_0 blocks, packed by pack_q4 / pack_q8
+// (blocks_gemm.cpp); N and K multiples of 32.
 void q4_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
+             int64_t K, int64_t N);
+void q8_gemm(const float* x, const int8_t* qs, const uint16_t* d, float* y, int64_t M,
              int64_t K, int64_t N);
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);

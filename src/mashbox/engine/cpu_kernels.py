@@ -28,7 +28,8 @@ log = logging.getLogger("mashbox")
 builds = 0  # times this process ran the extension builder (a compile, or a cached load)
 
 SOURCES = [
-    Path(__file__).with_name(name) for name in ("int8_gemm.cpp", "q4_gemm.cpp", "decode_layers.cpp")
+    Path(__file__).with_name(name)
+    for name in ("int8_gemm.cpp", "blocks_gemm.cpp", "decode_layers.cpp")
 ]
 
 
@@ -77,11 +78,20 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A GGUF matrix's 4-bit blocks as q4_gemm.cpp reads them: q uint8 [N, K] in 0..15 and
-    fp16 d, m [N, K / 32] (w = q * d + m) -> qs uint8 [N / 32, K / 2, 32] (weights k and
-    k + 1 of an output in one byte, low nibble first) and dm fp16 [N / 32, K / 32, 2, 32]."""
+    """A GGUF matrix's 4-bit blocks as q4_gemm (blocks_gemm.cpp) reads them: q uint8 [N, K]
+    in 0..15 and fp16 d, m [N, K / 32] (w = q * d + m) -> qs uint8 [N / 32, K / 2, 32]
+    (weights k and k + 1 of an output in one byte, low nibble first) and dm fp16
+    [N / 32, K / 32, 2, 32]."""
     n, k = q.shape
     tiles = q.view(n // TILE, TILE, k).transpose(1, 2)  # [N / 32, K, 32]
     qs = (tiles[:, 0::2] | (tiles[:, 1::2] << 4)).contiguous()
     dm = torch.stack([d, m], dim=-1).view(n // TILE, TILE, k // 32, 2)
     return qs, dm.permute(0, 2, 3, 1).contiguous()
+
+
+def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF matrix's Q8_0 blocks as q8_gemm reads them: q int8 [N, K] and fp16 d
+    [N, K / 32] (w = q * d) -> qs int8 [N / 32, K, 32] and d fp16 [N / 32, K / 32, 32]."""
+    n, k = q.shape
+    qs = q.view(n // TILE, TILE, k).transpose(1, 2).contiguous()
+    return qs, d.view(n // TILE, TILE, k // 32).transpose(1, 2).contiguous()

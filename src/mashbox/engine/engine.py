@@ -35,7 +35,7 @@ DEFAULT_MAX_CTX = 8192
 
 
 def resolve_decode_weights(kind: str, device: str) -> str:
-    """"auto": on a CPU where mashbox's kernels build, int4 (the file's own Q4_0/Q4_1 blocks
+    """ "auto": on a CPU where mashbox's kernels build, int4 (the file's own Q4_0/Q4_1 blocks
     where it has them, int8 for other matrices; a whole decode step in one call, ~8x float32
     here); float elsewhere (bf16 on an accelerator)."""
     if kind != "auto":
@@ -82,8 +82,8 @@ class Engine:
         decode_weights: str = "float",
     ):
         decode_weights = resolve_decode_weights(decode_weights, device)
-        # int4 loads the file's own 4-bit blocks; everything else works from float tensors.
-        keep = int4.EXACT_QTYPES if decode_weights == "int4" else ()
+        # int4 loads the file's own Q4_0/Q4_1/Q8_0 blocks; the rest works from float tensors.
+        keep = int4.KEPT_QTYPES if decode_weights == "int4" else ()
         loaded = weights_mod.load(Path(path), keep_blocks=keep)
         self.cfg = loaded.config
         # ctx 0: the model's trained context, capped so the default KV cache stays modest.

@@ -1,8 +1,9 @@
-"""int4 decode weights loaded from a GGUF's own 4-bit blocks, never re-quantized.
+"""int4 decode weights loaded from a GGUF's own 4-bit blocks, never re-quantized (and, on
+mashbox's kernels, its Q8_0 blocks the same way: `Q8Weight`).
 
 A Q4_1 block is 32 weights w = q * d + m (q in 0..15, d and m fp16); a Q4_0 block is
 w = (q - 8) * d, that is m = -8 d. Two kernels read them:
-- mashbox's (q4_gemm.cpp, where the CPU kernels build): q, d and m as stored, float32
+- mashbox's (blocks_gemm.cpp, where the CPU kernels build): q, d and m as stored, float32
   activations; the file's weights exactly, the fastest decode path here.
 - torch's `_weight_int4pack_mm_for_cpu`, which computes w = (q - 8) * scale + zero per group
   of 32: scale = d, zero = m + 8 d. In float32 that is exact whenever m + 8 d is (every
@@ -22,6 +23,7 @@ from .weights import RawBlocks
 
 GROUP = 32  # the GGUF block: one kernel group
 EXACT_QTYPES = (Q.Q4_0, Q.Q4_1)
+KEPT_QTYPES = (*EXACT_QTYPES, Q.Q8_0)  # the blocks an int4 engine loads as stored
 INT4_MAX_ROWS = 16  # up to this many rows (decode batches) use the int4 weights
 
 
@@ -87,7 +89,9 @@ class Int4Weight:
 
     @property
     def decode_tensors(self) -> tuple[Tensor, ...]:
-        return (self.qs, self.dm) if self.kernel is not None else (self.packed, self.scales_and_zeros)
+        return (
+            (self.qs, self.dm) if self.kernel is not None else (self.packed, self.scales_and_zeros)
+        )
 
     @property
     def decode_nbytes(self) -> int:
@@ -103,3 +107,44 @@ class Int4Weight:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, self.packed, GROUP, self.scales_and_zeros
         ).T
+
+
+def fits_q8(blocks: list[RawBlocks | None]) -> bool:
+    """Whether a matrix's parts are all Q8_0 blocks that mashbox's kernel can read."""
+    if any(b is None or b.qtype != Q.Q8_0 for b in blocks):
+        return False
+    rows = sum(b.data.shape[0] for b in blocks)
+    return rows % cpu_kernels.TILE == 0 and cpu_kernels.load() is not None
+
+
+class Q8Weight:
+    """A weight kept twice: float for prefill-sized batches, and the file's Q8_0 blocks
+    (w = q * d per block of 32, q int8, d fp16) as stored, for mashbox's kernel."""
+
+    def __init__(self, w: Tensor, blocks: list[RawBlocks]):
+        b = torch.cat([part.data for part in blocks])  # [N, K / 32, 34]
+        d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
+        q = b[..., 2:].contiguous().view(torch.int8).reshape(b.shape[0], -1)
+        if q.shape != w.shape:
+            raise ValueError(f"blocks of shape {tuple(q.shape)} for a weight {tuple(w.shape)}")
+        self.w = w
+        self.kernel = cpu_kernels.load()
+        self.qs, self.d = cpu_kernels.pack_q8(q, d)
+
+    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        if x.shape[0] > INT4_MAX_ROWS:
+            return F.linear(x, self.w, bias)
+        y = self.kernel.q8_linear(x.float().contiguous(), self.qs, self.d).to(x.dtype)
+        return y + bias if bias is not None else y
+
+    @property
+    def decode_tensors(self) -> tuple[Tensor, ...]:
+        return self.qs, self.d
+
+    @property
+    def decode_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.decode_tensors)
+
+    def dequantized(self) -> Tensor:
+        """The weights the kernel multiplies by, float32 [N, K] (x = identity)."""
+        return self.kernel.q8_linear(torch.eye(self.w.shape[1]), self.qs, self.d).T

@@ -100,9 +100,12 @@ DECODE_MATRICES = {
 
 
 def decode_weight(w: Tensor, blocks: list, kind: str):
-    """int4 from the file's own 4-bit blocks where every part has them; int8 otherwise."""
+    """int4: the file's own 4-bit (or, on mashbox's kernels, Q8_0) blocks where every part
+    has them; int8 otherwise."""
     if kind == "int4" and int4.fits(blocks):
         return int4.Int4Weight(w, blocks)
+    if kind == "int4" and int4.fits_q8(blocks):
+        return int4.Q8Weight(w, blocks)
     return Int8Weight(w)
 
 
@@ -210,7 +213,7 @@ class Model:
             and cfg.head_dim % 8 == 0
             and cfg.d_ff % 8 == 0
             and all(
-                isinstance(w[m], (Int8Weight, int4.Int4Weight)) and w[m].kernel
+                isinstance(w[m], (Int8Weight, int4.Int4Weight, int4.Q8Weight)) and w[m].kernel
                 for w in self.layers
                 for m in mats
             )
@@ -232,10 +235,12 @@ class Model:
 
     @property
     def decode_kind(self) -> str:
-        """What decode steps read: "int4" if any layer matrix is the file's 4-bit blocks (the
+        """What decode steps read: "int4" if any layer matrix is the file's own blocks (the
         rest int8), "int8", or "float"."""
         kinds = {type(w) for layer in self.layers for w in layer.values()}
-        return "int4" if int4.Int4Weight in kinds else "int8" if Int8Weight in kinds else "float"
+        if kinds & {int4.Int4Weight, int4.Q8Weight}:
+            return "int4"
+        return "int8" if Int8Weight in kinds else "float"
 
     @property
     def decode_nbytes(self) -> int:

@@ -1,15 +1,17 @@
 #include "cpu_kernels.h"
 
-// y[M, N] = x[M, K] . W^T with W a GGUF file's own 4-bit blocks, not re-quantized: each
-// block of 32 k holds w = q * d + m (q in 0..15, d and m fp16; Q4_0's w = (q - 8) * d is
-// m = -8 d). Per output and block the kernel sums q * x in k order, then adds
-// d * that + m * sum(x over the block): the file's weights exactly, float32 activations,
-// 0.625 bytes a weight (int8: 1). Like int8_gemm.cpp every output has one order of
-// operations whatever M is, so a row's bits do not depend on the batch.
+// y[M, N] = x[M, K] . W^T with W a GGUF file's own blocks of 32 weights, not re-quantized,
+// float32 activations. Per output and block the kernels sum q * x in k order, then scale:
+// - Q4_0 / Q4_1 (q4_gemm): w = q * d + m (q in 0..15, d and m fp16; Q4_0's (q - 8) * d is
+//   m = -8 d): out += d * sum + m * sum(x over the block). 0.625 bytes a weight.
+// - Q8_0 (q8_gemm): w = q * d (q int8, d fp16): out += d * sum. 1.06 bytes a weight.
+// Both give the file's weights exactly (x = identity reads them back bit for bit). Like
+// int8_gemm.cpp every output has one order of operations whatever M is, so a row's bits do
+// not depend on the batch.
 //
-// Packed by pack_q4 (cpu_kernels.py) in tiles of 32 outputs: qs[N / 32][K / 2][32] bytes
-// holding weights k (low nibble) and k + 1 (high) of an output, and dm[N / 32][K / 32][2][32]
-// fp16, each block's d then m for the tile's outputs.
+// Packed (pack_q4, pack_q8 in cpu_kernels.py) in tiles of 32 outputs: Q4 qs[N / 32][K / 2][32]
+// bytes holding weights k (low nibble) and k + 1 (high) of an output and dm[N / 32][K / 32]
+// [2][32] fp16, each block's d then m; Q8 qs[N / 32][K][32] int8 and d[N / 32][K / 32][32].
 
 #define UNROLL _Pragma("GCC unroll 16")
 
@@ -93,6 +95,65 @@ void q4_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, in
   });
 }
 
+// ---- Q8_0 -------------------------------------------------------------------------------
+
+template <int V, int MB>
+static inline void q8_block(const float* x, const int8_t* qs, const uint16_t* ds, float* y,
+                            int64_t n0, int64_t m0, int64_t K, int64_t N) {
+  const int64_t blocks = K / BLOCK, tile_qs = K * TILE, tile_d = blocks * TILE;
+  alignas(32) float out[MB][V * 8] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 in[MB][V];
+    UNROLL for (int j = 0; j < MB; ++j)
+      UNROLL for (int v = 0; v < V; ++v) in[j][v] = _mm256_setzero_ps();
+    for (int64_t k = b * BLOCK; k < (b + 1) * BLOCK; ++k) {
+      __m256 xk[MB];
+      UNROLL for (int j = 0; j < MB; ++j) xk[j] = _mm256_broadcast_ss(x + (m0 + j) * K + k);
+      UNROLL for (int v = 0; v < V; ++v) {
+        const int8_t* p = qs + (v / 4) * tile_qs + k * TILE + (v % 4) * 8;
+        const __m256 w = _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+        UNROLL for (int j = 0; j < MB; ++j) in[j][v] = _mm256_fmadd_ps(w, xk[j], in[j][v]);
+      }
+    }
+    UNROLL for (int v = 0; v < V; ++v) {
+      const uint16_t* s = ds + (v / 4) * tile_d + b * TILE + (v % 4) * 8;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+      UNROLL for (int j = 0; j < MB; ++j)
+        _mm256_store_ps(out[j] + v * 8, _mm256_fmadd_ps(d, in[j][v], _mm256_load_ps(out[j] + v * 8)));
+    }
+  }
+  UNROLL for (int j = 0; j < MB; ++j)
+    UNROLL for (int v = 0; v < V; ++v) {
+      const int64_t n = n0 + (v / 4) * TILE + (v % 4) * 8;
+      _mm256_storeu_ps(y + (m0 + j) * N + n, _mm256_load_ps(out[j] + v * 8));
+    }
+}
+
+void q8_gemm(const float* x, const int8_t* qs, const uint16_t* ds, float* y, int64_t M,
+             int64_t K, int64_t N) {
+  const int64_t tiles = N / TILE, tile_qs = K * TILE, tile_d = K / BLOCK * TILE;
+  if (M == 1) {
+    parallel_chunks(tiles / 2, 2, [&](int64_t t) {
+      q8_block<8, 1>(x, qs + 2 * t * tile_qs, ds + 2 * t * tile_d, y, 2 * t * TILE, 0, K, N);
+    });
+    if (tiles % 2) {
+      const int64_t t = tiles - 1;
+      q8_block<4, 1>(x, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, 0, K, N);
+    }
+    return;
+  }
+  parallel_chunks(tiles, 1, [&](int64_t t) {
+    const int8_t* q = qs + t * tile_qs;
+    const uint16_t* s = ds + t * tile_d;
+    int64_t m = 0;
+    for (; M - m >= 4; m += 4)
+      for (int v0 = 0; v0 < 4; v0 += 2)
+        q8_block<2, 4>(x, q + v0 * 8, s + v0 * 8, y, t * TILE + v0 * 8, m, K, N);
+    for (; M - m >= 1; ++m) q8_block<4, 1>(x, q, s, y, t * TILE, m, K, N);
+  });
+}
+
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
   TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kByte && dm.dtype() == torch::kHalf);
   TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && dm.is_contiguous());
@@ -103,5 +164,18 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
   auto y = torch::empty({M, N}, x.options());
   q4_gemm(x.data_ptr<float>(), qs.data_ptr<uint8_t>(),
           reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), M, K, N);
+  return y;
+}
+
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
+  TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kChar && d.dtype() == torch::kHalf);
+  TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && d.is_contiguous());
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE;
+  TORCH_CHECK(K % BLOCK == 0 && qs.dim() == 3 && qs.size(1) == K && qs.size(2) == TILE &&
+              d.dim() == 3 && d.size(0) == qs.size(0) && d.size(1) * BLOCK == K,
+              "qs/d must be packed by pack_q8 for K = ", K);
+  auto y = torch::empty({M, N}, x.options());
+  q8_gemm(x.data_ptr<float>(), qs.data_ptr<int8_t>(),
+          reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), y.data_ptr<float>(), M, K, N);
   return y;
 }
