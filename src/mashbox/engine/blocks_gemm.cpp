@@ -31,19 +31,34 @@ static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs
       UNROLL for (int v = 0; v < V; ++v) in[j][v] = _mm256_setzero_ps();
     for (int64_t kp = 0; kp < BLOCK / 2; ++kp) {
       const int64_t k = b * BLOCK + 2 * kp;
-      __m256 x0[MB], x1[MB];
-      UNROLL for (int j = 0; j < MB; ++j) {
-        x0[j] = _mm256_broadcast_ss(x + (m0 + j) * K + k);
-        x1[j] = _mm256_broadcast_ss(x + (m0 + j) * K + k + 1);
-      }
-      UNROLL for (int v = 0; v < V; ++v) {
+      // Weights k and k + 1 of V vectors, widened once for all MB rows. (The same sums in
+      // the same order either way; one row takes each vector's pair as it goes instead, to
+      // keep its eight accumulators in registers.)
+      auto pairs = [&](int v) {
         const uint8_t* p = qs + (v / 4) * tile_qs + (k / 2) * TILE + (v % 4) * 8;
-        const __m256i pairs =
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(pairs, low));
-        UNROLL for (int j = 0; j < MB; ++j) in[j][v] = _mm256_fmadd_ps(w0, x0[j], in[j][v]);
-        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(pairs, 4));
-        UNROLL for (int j = 0; j < MB; ++j) in[j][v] = _mm256_fmadd_ps(w1, x1[j], in[j][v]);
+        return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      };
+      if constexpr (MB == 1) {
+        const __m256 x0 = _mm256_broadcast_ss(x + m0 * K + k);
+        const __m256 x1 = _mm256_broadcast_ss(x + m0 * K + k + 1);
+        UNROLL for (int v = 0; v < V; ++v) {
+          const __m256i q = pairs(v);
+          in[0][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), x0, in[0][v]);
+          in[0][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), x1, in[0][v]);
+        }
+      } else {
+        __m256 w0[V], w1[V];
+        UNROLL for (int v = 0; v < V; ++v) {
+          const __m256i q = pairs(v);
+          w0[v] = _mm256_cvtepi32_ps(_mm256_and_si256(q, low));
+          w1[v] = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+        }
+        UNROLL for (int j = 0; j < MB; ++j) {
+          const __m256 x0 = _mm256_broadcast_ss(x + (m0 + j) * K + k);
+          UNROLL for (int v = 0; v < V; ++v) in[j][v] = _mm256_fmadd_ps(w0[v], x0, in[j][v]);
+          const __m256 x1 = _mm256_broadcast_ss(x + (m0 + j) * K + k + 1);
+          UNROLL for (int v = 0; v < V; ++v) in[j][v] = _mm256_fmadd_ps(w1[v], x1, in[j][v]);
+        }
       }
     }
     UNROLL for (int v = 0; v < V; ++v) {
@@ -90,6 +105,9 @@ void q4_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, in
     const uint8_t* q = qs + t * tile_qs;
     const uint16_t* s = dm + t * tile_dm;
     int64_t m = 0;
+    for (; M - m >= 4; m += 4)
+      for (int v0 = 0; v0 < 4; v0 += 2)
+        q4_block<2, 4>(x, xs, q + v0 * 8, s + v0 * 8, y, t * TILE + v0 * 8, m, K, N);
     for (; M - m >= 2; m += 2) q4_block<4, 2>(x, xs, q, s, y, t * TILE, m, K, N);
     if (M - m == 1) q4_block<4, 1>(x, xs, q, s, y, t * TILE, m, K, N);
   });
