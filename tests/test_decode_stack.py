@@ -26,8 +26,13 @@ KINDS = {"int8": (None, None), "int4": (Q.Q4_1, Int4Weight), "int4-q8": (Q.Q8_0,
 
 @pytest.fixture(
     scope="module",
-    params=[("llama", "int8"), ("qwen2", "int8"), ("qwen3", "int8"), ("llama", "int4"),
-            ("llama", "int4-q8")],  # fmt: skip
+    params=[
+        ("llama", "int8"),
+        ("qwen2", "int8"),
+        ("qwen3", "int8"),
+        ("llama", "int4"),
+        ("llama", "int4-q8"),
+    ],  # fmt: skip
     ids=lambda p: "-".join(p),
 )
 def engine(request, tmp_path_factory):

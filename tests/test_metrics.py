@@ -274,8 +274,8 @@ async def test_nothing_compiles_after_ready_at_any_batch_size(server):
     from mashbox.engine import cpu_kernels
 
     card = httpx.get(server.url + "/v1/models").json()["data"][0]
-    # auto on a CPU: int4 where the file has 4-bit blocks; this float32 file has none.
-    assert card["decode_weights"] == ("int8" if cpu_kernels.load() else "float")
+    # auto on a CPU: the file's own blocks; this one's matrices are Q8_0 (its norms F32).
+    assert card["decode_weights"] == ("q8_0" if cpu_kernels.load() else "float")
 
     async def complete(client: httpx.AsyncClient, tokens: int) -> None:
         body = {"prompt": f"Count {tokens}", "max_tokens": tokens, "ignore_eos": True}

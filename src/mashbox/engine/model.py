@@ -235,12 +235,14 @@ class Model:
 
     @property
     def decode_kind(self) -> str:
-        """What decode steps read: "int4" if any layer matrix is the file's own blocks (the
-        rest int8), "int8", or "float"."""
+        """What decode steps read, the most compact first: "int4" if any layer matrix is the
+        file's own 4-bit blocks, "q8_0" if any is its Q8_0 blocks (the rest int8 in both),
+        "int8", or "float"."""
         kinds = {type(w) for layer in self.layers for w in layer.values()}
-        if kinds & {int4.Int4Weight, int4.Q8Weight}:
-            return "int4"
-        return "int8" if Int8Weight in kinds else "float"
+        for cls, name in ((int4.Int4Weight, "int4"), (int4.Q8Weight, "q8_0"), (Int8Weight, "int8")):
+            if cls in kinds:
+                return name
+        return "float"
 
     @property
     def decode_nbytes(self) -> int:
