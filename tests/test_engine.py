@@ -95,6 +95,23 @@ def test_chunked_prefill_and_decode_match_the_reference(tiny):
         torch.testing.assert_close(h[0], ref[pos], rtol=1e-4, atol=1e-4)
 
 
+def test_prefills_of_several_slots_in_one_forward_match_the_reference(tiny):
+    """One forward for a whole prompt in slot 0 and the rest of one in slot 1 (its first
+    token already cached): each chunk attends to its own slot only."""
+    _, w, path = tiny
+    engine = Engine(path, slots=3, ctx=64)
+    a, b = [5, 17, 3, 88, 42, 7], [9, 8, 7, 60]
+    model, cache = engine.model, engine.cache
+    model.prefill(cache, 1, 0, torch.tensor(b[:1]))
+    hidden = model.prefill_many(cache, [(0, 0, torch.tensor(a)), (1, 1, torch.tensor(b[1:]))])
+    torch.testing.assert_close(hidden[: len(a)], reference_hidden(w, a), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hidden[len(a) :], reference_hidden(w, b)[1:], rtol=1e-4, atol=1e-4)
+    # The caches hold what decoding needs: the next token of each matches the reference.
+    h = model.decode(cache, [0, 1], torch.tensor([19, 33]), torch.tensor([len(a), len(b)]))
+    torch.testing.assert_close(h[0], reference_hidden(w, [*a, 19])[-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(h[1], reference_hidden(w, [*b, 33])[-1], rtol=1e-4, atol=1e-4)
+
+
 def test_batched_decode_rows_are_independent(tiny):
     _, w, path = tiny
     engine = Engine(path, slots=3, ctx=64)

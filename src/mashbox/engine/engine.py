@@ -135,21 +135,18 @@ class Engine:
             self.slots[admit.slot] = _SlotState(admit, self.cfg.vocab_size, self.device)
         tokens: dict[int, int] = {}
         embeddings: dict[int, tuple[float, ...]] = {}
-        for p in step.prefills:
+        generation = [p for p in step.prefills if not p.pool]
+        self._prefill(generation, tokens)
+        pooling = [p for p in step.prefills if p.pool]
+        for p in pooling:
             ids = torch.tensor(p.token_ids, dtype=torch.long, device=self.device)
-            if p.pool:
-                hidden = self.model.prefill(self.cache, p.slot, p.start, ids, all_rows=True)
-                if p.start == 0:
-                    self.pooled[p.slot] = torch.zeros(hidden.shape[1], dtype=torch.float64)
-                self.pooled[p.slot] += hidden.double().sum(0).cpu()
-                if p.sample:  # the input's last chunk: mean over positions, L2-normalized
-                    mean = self.pooled.pop(p.slot) / (p.start + len(p.token_ids))
-                    embeddings[p.slot] = tuple((mean / mean.norm().clamp_min(1e-12)).tolist())
-                continue
-            hidden = self.model.prefill(self.cache, p.slot, p.start, ids)
-            if p.sample:
-                position = p.start + len(p.token_ids)
-                tokens[p.slot] = self._sample(p.slot, self.model.logits(hidden), position)
+            hidden = self.model.prefill(self.cache, p.slot, p.start, ids, all_rows=True)
+            if p.start == 0:
+                self.pooled[p.slot] = torch.zeros(hidden.shape[1], dtype=torch.float64)
+            self.pooled[p.slot] += hidden.double().sum(0).cpu()
+            if p.sample:  # the input's last chunk: mean over positions, L2-normalized
+                mean = self.pooled.pop(p.slot) / (p.start + len(p.token_ids))
+                embeddings[p.slot] = tuple((mean / mean.norm().clamp_min(1e-12)).tolist())
         if step.decodes:
             slots = [d.slot for d in step.decodes]
             ids = torch.tensor([d.token_id for d in step.decodes], device=self.device)
@@ -157,7 +154,7 @@ class Engine:
             logits = self.model.logits(self.model.decode(self.cache, slots, ids, positions))
             for row, d in enumerate(step.decodes):
                 tokens[d.slot] = self._sample(d.slot, logits[row], d.position + 1)
-        decisions, forwards = {}, len(step.prefills) + bool(step.decodes)
+        decisions, forwards = {}, bool(generation) + len(pooling) + bool(step.decodes)
         for d in step.decides:
             decisions[d.slot], reads = self._decide(d)
             forwards += reads
@@ -165,6 +162,25 @@ class Engine:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         return StepResult(tokens, elapsed, embeddings, decisions, forwards, compiles_so_far())
+
+    def _prefill(self, prefills: list, tokens: dict[int, int]) -> None:
+        """Every generation prefill of the step in one forward; sample where a prompt ends."""
+        if not prefills:
+            return
+        chunks = [
+            (p.slot, p.start, torch.tensor(p.token_ids, dtype=torch.long, device=self.device))
+            for p in prefills
+        ]
+        hidden = self.model.prefill_many(self.cache, chunks)
+        last, rows = 0, []
+        for p in prefills:
+            last += len(p.token_ids)
+            if p.sample:
+                rows.append((p, last - 1))
+        if rows:
+            logits = self.model.logits(hidden[[row for _, row in rows]])
+            for i, (p, _) in enumerate(rows):
+                tokens[p.slot] = self._sample(p.slot, logits[i], p.start + len(p.token_ids))
 
     def _decide(self, decide: Decide) -> tuple[tuple, int]:
         """Each branch's candidate log-probs (float32, over the whole vocabulary), and the
