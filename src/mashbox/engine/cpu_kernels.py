@@ -1,10 +1,12 @@
-"""mashbox's own CPU kernels for decode steps with int8 weights.
+"""mashbox's own CPU kernels for decode steps with int8 or int4 weights.
 
 - `int8_gemm.cpp`: int8 weights x float32 activations. torch's `_weight_int8pack_mm` wants
   bf16 activations and reads the weights at ~8-13 GB/s on the 2-core AVX2 machines here; this
   one reads them (packed by `pack_int8`) once per call at up to ~20 GB/s, keeps activations
   in float32 (closer to the float path) and sums every output in one order, so a row's bits
   do not depend on the batch.
+- `blocks_gemm.cpp`: the same with a GGUF file's own Q4_0/Q4_1 and Q8_0 blocks read as
+  stored (packed by `pack_q4` / `pack_q8`): the file's weights exactly.
 - `decode_layers.cpp`: `DecodeStack`, a whole decode step (every layer) in one call, with
   no torch op dispatch per norm, RoPE or residual.
 

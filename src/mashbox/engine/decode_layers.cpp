@@ -138,7 +138,7 @@ static const float* data_or_null(const torch::Tensor& t) {
 class DecodeStack {
  public:
   // Each layer: attn_norm, wqkv (2 tensors), bqkv, q_norm, k_norm, wo (2), ffn_norm,
-  // gate_up (2), down (2), each matrix int8 or 4-bit (Mat); empty tensors where absent.
+  // gate_up (2), down (2), each matrix int8, Q4 or Q8_0 (Mat); empty tensors where absent.
   DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, torch::Tensor final_norm,
               torch::Tensor cos, torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
               int64_t head_dim, double eps)
