@@ -126,11 +126,7 @@ def start_llama(args, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
         "--n_threads_batch", str(args.threads), "--port", str(port),
         "--interrupt_requests", "False",
     ]  # fmt: skip
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/v1/models", proc, log)
-    return proc, url
+    return launch(cmd, port, "/v1/models", log)
 
 
 def start_llama_server(args, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
@@ -141,10 +137,15 @@ def start_llama_server(args, model: Path, log: Path) -> tuple[subprocess.Popen, 
         "-t", str(args.threads), "-tb", str(args.threads), "--host", "127.0.0.1",
         "--port", str(port),
     ]  # fmt: skip
+    return launch(cmd, port, "/health", log)
+
+
+def launch(cmd: list[str], port: int, ready: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """Start a baseline server, logging to `log`; return it once `ready` answers 200."""
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", proc, log)
+    wait_http(url + ready, proc, log)
     return proc, url
 
 

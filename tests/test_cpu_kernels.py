@@ -69,46 +69,40 @@ def test_loading_the_kernels_counts_as_a_compile():
     assert out.stdout.split() == ["0", "1"]
 
 
-def q4_problem(n: int, k: int, seed: int = 0):
-    """Random 4-bit blocks (q, d, m) and the weights they stand for, w = q * d + m."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
-    d = (torch.rand(n, k // 32, generator=g) / 64).half()
-    m = (-torch.rand(n, k // 32, generator=g) / 8).half()
-    w = q.float() * d.float().repeat_interleave(32, 1) + m.float().repeat_interleave(32, 1)
-    return cpu_kernels.pack_q4(q, d, m), w
+def assert_reads_exactly(matmul, w: torch.Tensor) -> None:
+    """matmul(x) = x . W^T for the file's weights w: x = identity reads w back bit for bit;
+    any x is within float32 summation error of the float64 product (per block: a k-ordered
+    sum of 32 products, then scaled and added: a few ulps of the magnitudes involved); a row
+    has the same bits alone and in a batch of up to 16."""
+    n, k = w.shape
+    assert torch.equal(matmul(torch.eye(k)).T, w)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(n))
+    y = matmul(x)
+    bound = (k + 70) * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
+    assert ((y.double() - x.double() @ w.double().T).abs() <= bound).all()
+    alone = torch.cat([matmul(x[i : i + 1]) for i in range(16)])
+    for m in range(1, 17):
+        assert torch.equal(matmul(x[:m]), alone[:m]), m
 
 
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (64, 64), (96, 1536)])
 def test_q4_linear_multiplies_by_the_files_weights_exactly(n, k):
-    """x = identity reads back q * d + m bit for bit; any x is within float32 summation
-    error of the float64 product; a row has the same bits alone and in any batch."""
-    (qs, dm), w = q4_problem(n, k)
-    assert torch.equal(kernel.q4_linear(torch.eye(k), qs, dm).T, w)
-    x = torch.randn(16, k, generator=torch.Generator().manual_seed(n))
-    y = kernel.q4_linear(x, qs, dm)
-    # Per block: a k-ordered sum of 32 products, then d * it + m * sum(x): a few ulps of the
-    # magnitudes involved.
-    bound = (k + 70) * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
-    assert ((y.double() - x.double() @ w.double().T).abs() <= bound).all()
-    alone = torch.cat([kernel.q4_linear(x[i : i + 1], qs, dm) for i in range(16)])
-    for m in range(1, 17):
-        assert torch.equal(kernel.q4_linear(x[:m], qs, dm), alone[:m]), m
+    """Q4 blocks: w = q * d + m, q in 0..15 (Q4_0 is m = -8 d)."""
+    g = torch.Generator().manual_seed(n + k)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    d = (torch.rand(n, k // 32, generator=g) / 64).half()
+    m = (-torch.rand(n, k // 32, generator=g) / 8).half()
+    w = q.float() * d.float().repeat_interleave(32, 1) + m.float().repeat_interleave(32, 1)
+    qs, dm = cpu_kernels.pack_q4(q, d, m)
+    assert_reads_exactly(lambda x: kernel.q4_linear(x, qs, dm), w)
 
 
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (64, 64), (96, 1536)])
 def test_q8_linear_multiplies_by_the_files_weights_exactly(n, k):
-    """The same for Q8_0 blocks (w = q * d): exact weights, close products, batch-free bits."""
+    """Q8_0 blocks: w = q * d, q int8."""
     g = torch.Generator().manual_seed(n + k)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
     d = (torch.rand(n, k // 32, generator=g) / 64).half()
     w = q.float() * d.float().repeat_interleave(32, 1)
     qs, ds = cpu_kernels.pack_q8(q, d)
-    assert torch.equal(kernel.q8_linear(torch.eye(k), qs, ds).T, w)
-    x = torch.randn(16, k, generator=g)
-    y = kernel.q8_linear(x, qs, ds)
-    bound = (k + 70) * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
-    assert ((y.double() - x.double() @ w.double().T).abs() <= bound).all()
-    alone = torch.cat([kernel.q8_linear(x[i : i + 1], qs, ds) for i in range(16)])
-    for m in range(1, 17):
-        assert torch.equal(kernel.q8_linear(x[:m], qs, ds), alone[:m]), m
+    assert_reads_exactly(lambda x: kernel.q8_linear(x, qs, ds), w)

@@ -17,6 +17,17 @@
 
 static constexpr int64_t TILE = 32, BLOCK = 32;
 
+// The finished sums of MB rows x V vectors into y (out: [MB][V * 8], vectors as in blocks).
+template <int V, int MB>
+static inline void store(const float (&out)[MB][V * 8], float* y, int64_t n0, int64_t m0,
+                         int64_t N) {
+  UNROLL for (int j = 0; j < MB; ++j)
+    UNROLL for (int v = 0; v < V; ++v) {
+      const int64_t n = n0 + (v / 4) * TILE + (v % 4) * 8;
+      _mm256_storeu_ps(y + (m0 + j) * N + n, _mm256_load_ps(out[j] + v * 8));
+    }
+}
+
 // V vectors of 8 outputs (vector v in tile v / 4, columns (v % 4) * 8) for MB rows.
 template <int V, int MB>
 static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs,
@@ -91,26 +102,24 @@ void q4_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, in
     xsum[r] = s;
   }
   const float* xs = xsum.data();
-  if (M == 1) {  // two tiles at once: eight accumulators hide the FMA latency
-    parallel_chunks(tiles / 2, 2, [&](int64_t t) {
-      q4_block<8, 1>(x, xs, qs + 2 * t * tile_qs, dm + 2 * t * tile_dm, y, 2 * t * TILE, 0, K, N);
-    });
-    if (tiles % 2) {
-      const int64_t t = tiles - 1;
-      q4_block<4, 1>(x, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0, K, N);
-    }
-    return;
-  }
-  parallel_chunks(tiles, 1, [&](int64_t t) {
-    const uint8_t* q = qs + t * tile_qs;
-    const uint16_t* s = dm + t * tile_dm;
-    int64_t m = 0;
-    for (; M - m >= 4; m += 4)
-      for (int v0 = 0; v0 < 4; v0 += 2)
-        q4_block<2, 4>(x, xs, q + v0 * 8, s + v0 * 8, y, t * TILE + v0 * 8, m, K, N);
-    for (; M - m >= 2; m += 2) q4_block<4, 2>(x, xs, q, s, y, t * TILE, m, K, N);
-    if (M - m == 1) q4_block<4, 1>(x, xs, q, s, y, t * TILE, m, K, N);
-  });
+  over_tiles(
+      M, tiles,
+      [&](int64_t t) {
+        q4_block<8, 1>(x, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0, K, N);
+      },
+      [&](int64_t t) {
+        q4_block<4, 1>(x, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0, K, N);
+      },
+      [&](int64_t t) {
+        const uint8_t* q = qs + t * tile_qs;
+        const uint16_t* s = dm + t * tile_dm;
+        int64_t m = 0;
+        for (; M - m >= 4; m += 4)
+          for (int v0 = 0; v0 < 4; v0 += 2)
+            q4_block<2, 4>(x, xs, q + v0 * 8, s + v0 * 8, y, t * TILE + v0 * 8, m, K, N);
+        for (; M - m >= 2; m += 2) q4_block<4, 2>(x, xs, q, s, y, t * TILE, m, K, N);
+        if (M - m == 1) q4_block<4, 1>(x, xs, q, s, y, t * TILE, m, K, N);
+      });
 }
 
 // ---- Q8_0 -------------------------------------------------------------------------------
@@ -151,25 +160,23 @@ static inline void q8_block(const float* x, const int8_t* qs, const uint16_t* ds
 void q8_gemm(const float* x, const int8_t* qs, const uint16_t* ds, float* y, int64_t M,
              int64_t K, int64_t N) {
   const int64_t tiles = N / TILE, tile_qs = K * TILE, tile_d = K / BLOCK * TILE;
-  if (M == 1) {
-    parallel_chunks(tiles / 2, 2, [&](int64_t t) {
-      q8_block<8, 1>(x, qs + 2 * t * tile_qs, ds + 2 * t * tile_d, y, 2 * t * TILE, 0, K, N);
-    });
-    if (tiles % 2) {
-      const int64_t t = tiles - 1;
-      q8_block<4, 1>(x, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, 0, K, N);
-    }
-    return;
-  }
-  parallel_chunks(tiles, 1, [&](int64_t t) {
-    const int8_t* q = qs + t * tile_qs;
-    const uint16_t* s = ds + t * tile_d;
-    int64_t m = 0;
-    for (; M - m >= 4; m += 4)
-      for (int v0 = 0; v0 < 4; v0 += 2)
-        q8_block<2, 4>(x, q + v0 * 8, s + v0 * 8, y, t * TILE + v0 * 8, m, K, N);
-    for (; M - m >= 1; ++m) q8_block<4, 1>(x, q, s, y, t * TILE, m, K, N);
-  });
+  over_tiles(
+      M, tiles,
+      [&](int64_t t) {
+        q8_block<8, 1>(x, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, 0, K, N);
+      },
+      [&](int64_t t) {
+        q8_block<4, 1>(x, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, 0, K, N);
+      },
+      [&](int64_t t) {
+        const int8_t* q = qs + t * tile_qs;
+        const uint16_t* s = ds + t * tile_d;
+        int64_t m = 0;
+        for (; M - m >= 4; m += 4)
+          for (int v0 = 0; v0 < 4; v0 += 2)
+            q8_block<2, 4>(x, q + v0 * 8, s + v0 * 8, y, t * TILE + v0 * 8, m, K, N);
+        for (; M - m >= 1; ++m) q8_block<4, 1>(x, q, s, y, t * TILE, m, K, N);
+      });
 }
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {

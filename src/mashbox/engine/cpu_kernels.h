@@ -22,6 +22,20 @@ inline void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
   });
 }
 
+// How a matmul's tiles of 32 outputs are spread over the threads: one row takes two tiles at
+// a time (eight accumulators hide the FMA latency: pair(t) computes tiles t and t + 1, and
+// single(t) an odd last one); several rows take a tile at a time (rows(t)).
+template <typename Pair, typename Single, typename Rows>
+inline void over_tiles(int64_t M, int64_t tiles, const Pair& pair, const Single& single,
+                       const Rows& rows) {
+  if (M > 1) {
+    parallel_chunks(tiles, 2, rows);
+    return;
+  }
+  parallel_chunks(tiles / 2, 2, [&](int64_t t) { pair(2 * t); });
+  if (tiles % 2) single(tiles - 1);
+}
+
 // y[M, N] = x[M, K] . (q[N, K] * scale[N])^T, float32 activations and int8 weights packed
 // as p[ceil(N / 32)][K][32]; each output row has the same bits whatever M is.
 void int8_gemm(const float* x, const int8_t* p, const float* scale, float* y, int64_t M,

@@ -66,24 +66,19 @@ static void tile_rows(const float* x, const int8_t* tile, const float* scale, fl
 void int8_gemm(const float* x, const int8_t* p, const float* scale, float* y, int64_t M,
                int64_t K, int64_t N) {
   const int64_t tiles = (N + TILE - 1) / TILE, tile_bytes = K * TILE;
-  if (M == 1) {  // two tiles at once: eight accumulators hide the FMA latency
-    parallel_chunks(tiles / 2, 2, [&](int64_t t) {
-      block<8, 1>(x, p + 2 * t * tile_bytes, scale, y, 2 * t * TILE, 0, K, N);
-    });
-    if (tiles % 2)
-      block<4, 1>(x, p + (tiles - 1) * tile_bytes, scale, y, (tiles - 1) * TILE, 0, K, N);
-    return;
-  }
-  // Several rows: each tile stays in cache while every group of rows passes over it.
-  parallel_chunks(tiles, 2, [&](int64_t t) {
-    const int8_t* tile = p + t * tile_bytes;
-    const int64_t n0 = t * TILE;
-    int64_t m = 0;
-    for (; M - m >= 4; m += 4) tile_rows<2, 4>(x, tile, scale, y, n0, m, K, N);
-    if (M - m == 3) tile_rows<4, 3>(x, tile, scale, y, n0, m, K, N);
-    if (M - m == 2) tile_rows<4, 2>(x, tile, scale, y, n0, m, K, N);
-    if (M - m == 1) tile_rows<4, 1>(x, tile, scale, y, n0, m, K, N);
-  });
+  over_tiles(
+      M, tiles,
+      [&](int64_t t) { block<8, 1>(x, p + t * tile_bytes, scale, y, t * TILE, 0, K, N); },
+      [&](int64_t t) { block<4, 1>(x, p + t * tile_bytes, scale, y, t * TILE, 0, K, N); },
+      [&](int64_t t) {  // each tile stays in cache while every group of rows passes over it
+        const int8_t* tile = p + t * tile_bytes;
+        const int64_t n0 = t * TILE;
+        int64_t m = 0;
+        for (; M - m >= 4; m += 4) tile_rows<2, 4>(x, tile, scale, y, n0, m, K, N);
+        if (M - m == 3) tile_rows<4, 3>(x, tile, scale, y, n0, m, K, N);
+        if (M - m == 2) tile_rows<4, 2>(x, tile, scale, y, n0, m, K, N);
+        if (M - m == 1) tile_rows<4, 1>(x, tile, scale, y, n0, m, K, N);
+      });
 }
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor p, torch::Tensor scale) {
