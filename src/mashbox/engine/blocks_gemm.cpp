@@ -83,11 +83,7 @@ static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs
       }
     }
   }
-  UNROLL for (int j = 0; j < MB; ++j)
-    UNROLL for (int v = 0; v < V; ++v) {
-      const int64_t n = n0 + (v / 4) * TILE + (v % 4) * 8;
-      _mm256_storeu_ps(y + (m0 + j) * N + n, _mm256_load_ps(out[j] + v * 8));
-    }
+  store<V, MB>(out, y, n0, m0, N);
 }
 
 void q4_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
@@ -150,11 +146,7 @@ static inline void q8_block(const float* x, const int8_t* qs, const uint16_t* ds
         _mm256_store_ps(out[j] + v * 8, _mm256_fmadd_ps(d, in[j][v], _mm256_load_ps(out[j] + v * 8)));
     }
   }
-  UNROLL for (int j = 0; j < MB; ++j)
-    UNROLL for (int v = 0; v < V; ++v) {
-      const int64_t n = n0 + (v / 4) * TILE + (v % 4) * 8;
-      _mm256_storeu_ps(y + (m0 + j) * N + n, _mm256_load_ps(out[j] + v * 8));
-    }
+  store<V, MB>(out, y, n0, m0, N);
 }
 
 void q8_gemm(const float* x, const int8_t* qs, const uint16_t* ds, float* y, int64_t M,
