@@ -23,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mashbox.engine.engine import Engine
+from mashbox.engine.model import nbytes
 from mashbox.protocol import Admit, Decode, Prefill, SamplingParams, Step
 from mashbox.registry import DEFAULT_MODEL, default_models_dir, known_models
 
@@ -77,7 +78,7 @@ def breakdown(engine: Engine, batch: int, position: int) -> None:
         "sampling": best_ms(lambda: [engine._sample(s, logits[s], position) for s in slots]),
     }
     mats = [layer[name] for layer in model.layers for name in ("wqkv", "wo", "w_gate_up", "w_down")]
-    read = sum(w.decode_nbytes for w in mats)
+    read = sum(nbytes(w) for w in mats)
     flops = 2 * batch * sum(w.w.numel() for w in mats)
     print(
         f"  batch {batch}: DecodeStack {parts['stack']:.2f} ms; its {len(mats)} matmuls called "

@@ -54,10 +54,10 @@ def _parser() -> argparse.ArgumentParser:
         "--decode-weights",
         choices=["auto", "float", "int8", "int4"],
         default="auto",
-        help="what decode steps read: int8 per-channel weights (7x faster than float on the "
-        "CPU here), int4 (CPU only: the GGUF's own Q4_0/Q4_1 blocks), or float (the reference); "
-        "greedy text can differ from float after a few tokens, see README (default auto: int8 "
-        "on a CPU where mashbox's kernels build, float elsewhere)",
+        help="what decode steps read: int4 (CPU only: the GGUF's own Q4_0/Q4_1/Q8_0 blocks, "
+        "exactly; int8 for other matrices), int8 (every matrix int8 per channel), or float (the "
+        "reference); int8 greedy text can differ from float after a few tokens, see README "
+        "(default auto: int4 on a CPU where mashbox's kernels build, float elsewhere)",
     )
     run.add_argument(
         "--cache-ram",

@@ -35,9 +35,9 @@ DEFAULT_MAX_CTX = 8192
 
 
 def resolve_decode_weights(kind: str, device: str) -> str:
-    """ "auto": on a CPU where mashbox's kernels build, int4 (the file's own Q4_0/Q4_1 blocks
-    where it has them, int8 for other matrices; a whole decode step in one call, ~8x float32
-    here); float elsewhere (bf16 on an accelerator)."""
+    """ "auto": on a CPU where mashbox's kernels build, int4 (the file's own Q4_0/Q4_1/Q8_0
+    blocks where it has them, int8 for other matrices; a whole decode step in one call, ~9x
+    float32 here); float elsewhere (bf16 on an accelerator)."""
     if kind != "auto":
         return kind
     return "int4" if torch.device(device).type == "cpu" and cpu_kernels.load() else "float"

@@ -93,10 +93,6 @@ class Int4Weight:
             (self.qs, self.dm) if self.kernel is not None else (self.packed, self.scales_and_zeros)
         )
 
-    @property
-    def decode_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.decode_tensors)
-
     def dequantized(self) -> Tensor:
         """The weights the kernel multiplies by, [N, K] (x = identity): float32 from ours,
         self.dtype from torch's."""
@@ -140,10 +136,6 @@ class Q8Weight:
     @property
     def decode_tensors(self) -> tuple[Tensor, ...]:
         return self.qs, self.d
-
-    @property
-    def decode_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.decode_tensors)
 
     def dequantized(self) -> Tensor:
         """The weights the kernel multiplies by, float32 [N, K] (x = identity)."""

@@ -75,14 +75,12 @@ class Int8Weight:
     def decode_tensors(self) -> tuple[Tensor, ...]:
         return (self.packed if self.kernel is not None else self.q), self.scale
 
-    @property
-    def decode_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.decode_tensors)
-
 
 def nbytes(w) -> int:
-    """Bytes a decode step reads of one weight: a tensor, or an int8/int4 decode weight."""
-    return w.numel() * w.element_size() if isinstance(w, Tensor) else w.decode_nbytes
+    """Bytes a decode step reads of one weight: a tensor, or the `decode_tensors` of an
+    int8/int4/Q8_0 decode weight."""
+    parts = [w] if isinstance(w, Tensor) else w.decode_tensors
+    return sum(t.numel() * t.element_size() for t in parts)
 
 
 def linear(x: Tensor, w, bias: Tensor | None = None) -> Tensor:
@@ -151,8 +149,8 @@ class Model:
         decode_weights: str = "float",
         blocks: dict | None = None,
     ):
-        """decode_weights: "float", "int8", or "int4" (from `blocks`, weights.RawBlocks by
-        GGUF name; int8 for the matrices without 4-bit blocks)."""
+        """decode_weights: "float", "int8", or "int4" (the file's own Q4_0/Q4_1 or Q8_0 blocks,
+        from `blocks`, weights.RawBlocks by GGUF name; int8 for the other matrices)."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
