@@ -13,8 +13,8 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 .venv/bin/python -m pip install --quiet -e '.[test]'
-# The CPU int8 kernel (src/mashbox/engine/int8_gemm.cpp) is built with g++ on first use;
-# without a compiler mashbox falls back to torch's kernel.
+# The CPU kernels (src/mashbox/engine/*.cpp) are built with g++ on first use; without a
+# compiler mashbox falls back to torch's ops.
 if ! command -v g++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null
