@@ -5,7 +5,10 @@ streaming chat requests with ignore_eos so each stream decodes exactly --tokens 
 prints per-stream and total decode speed next to the machine's decode limit: memory
 bandwidth (measured here with a large tensor copy) over the bytes each step must read.
 Also the engine's time per step and the server's (everything else: HTTP, scheduler, IPC,
-detokenizing, SSE), from the server's metrics during steady decoding.
+detokenizing, SSE), from the server's metrics during steady decoding. Then, where it
+started the server itself, the same engine alone in this process (no server, no HTTP):
+its decode step at each batch size beside the step through the API, so "server overhead"
+is what the API costs over the engine alone, whatever the engine does meanwhile.
 
     python bench/decode_http.py                      # default model, 1 and 4 streams
     python bench/decode_http.py --streams 1 4 8 --tokens 128
@@ -128,7 +131,27 @@ def memory_bandwidth_gbs() -> float:
     return best
 
 
-async def main_async(args, url: str) -> None:
+def engine_alone_ms(model: str, decode_weights: str, batches: list[int]) -> dict[int, float]:
+    """Median decode step of the engine alone at each batch size (bench/step_profile.py's
+    setup: slots prefilled with 64 tokens, steps at positions 65 on; the server's threads)."""
+    import statistics
+
+    import step_profile
+
+    from mashbox.registry import default_models_dir, known_models
+
+    path = default_models_dir() / model / known_models()[model]["filename"]
+    engine = step_profile.prepare(path, decode_weights, max(batches))
+    position, out = len(step_profile.PROMPT), {}
+    for batch in batches:
+        step_profile.decode_step(engine, batch, position)  # warm-up
+        times = [step_profile.decode_step(engine, batch, position + 1 + i) for i in range(20)]
+        position += 21
+        out[batch] = statistics.median(times) * 1e3
+    return out
+
+
+async def main_async(args, url: str) -> list[tuple[int, float]]:
     card = httpx.get(url + "/v1/models").json()["data"][0]
     print(f"model {card['id']}  weights {card['weights']}  bpw {card['bpw']}  gb {card['gb']}")
     bw = memory_bandwidth_gbs()
@@ -141,7 +164,7 @@ async def main_async(args, url: str) -> None:
         f"{'streams':>7} {'tok/s/stream':>13} {'total tok/s':>12} {'vs 1 stream':>12} "
         f"{'steps/s of limit':>17} {'engine ms/step':>15} {'server ms/step':>15}"
     )
-    base = None
+    base, api_steps = None, []
     for n in args.streams:
         r = await run_streams(url, n, args.tokens)
         base = base or r["total_wall"]
@@ -150,6 +173,8 @@ async def main_async(args, url: str) -> None:
             f"{r['total_wall'] / base:>11.2f}x {r['per_stream'] / limit:>16.0%} "
             f"{r['step_ms']:>15.1f} {r['server_ms']:>9.1f} ({r['server_ms'] / r['step_ms']:.0%})"
         )
+        api_steps.append((n, r["step_ms"] + r["server_ms"]))
+    return api_steps
 
 
 def main() -> None:
@@ -162,6 +187,9 @@ def main() -> None:
     parser.add_argument(
         "--server-args", default="", help='more `mashbox run` flags, e.g. "--decode-weights int8"'
     )
+    parser.add_argument(
+        "--no-engine-alone", action="store_true", help="skip timing the engine without a server"
+    )
     args = parser.parse_args()
     if args.url:
         trio.run(main_async, args, args.url)
@@ -173,9 +201,16 @@ def main() -> None:
     proc = ServerProcess(args.model, "--slots", str(slots), "--ctx", "1024", *extra)
     try:
         url = proc.wait_ready(900)
-        trio.run(main_async, args, url)
+        api_steps = trio.run(main_async, args, url)
     finally:
         proc.stop()
+    if args.no_engine_alone:
+        return
+    kind = extra[extra.index("--decode-weights") + 1] if "--decode-weights" in extra else "auto"
+    alone = engine_alone_ms(args.model, kind, [n for n, _ in api_steps])
+    print(f"{'streams':>7} {'API step ms':>12} {'engine alone ms':>16} {'API overhead':>13}")
+    for n, api_ms in api_steps:
+        print(f"{n:>7} {api_ms:>12.1f} {alone[n]:>16.1f} {api_ms / alone[n] - 1:>12.0%}")
 
 
 if __name__ == "__main__":

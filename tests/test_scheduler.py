@@ -6,7 +6,7 @@ import pytest
 import trio
 
 from mashbox.engine.engine import Engine
-from mashbox.protocol import SamplingParams
+from mashbox.protocol import PREVIOUS, Admit, Decode, Prefill, SamplingParams, Step
 from mashbox.scheduler import (
     MAX_WAITING,
     MAX_WAITING_PER_TENANT,
@@ -28,11 +28,17 @@ class InProcessEngine:
         self.engine = engine
         self.step_delay = step_delay
         self.steps = 0
+        self.sent = []  # in order, as the worker's pipe holds them
+        self.most_in_flight = 0
 
-    async def step(self, step):
+    def send(self, step):
+        self.sent.append(step)
+        self.most_in_flight = max(self.most_in_flight, len(self.sent))
+
+    async def receive(self):
         self.steps += 1
         await trio.sleep(self.step_delay)
-        return self.engine.step(step)
+        return self.engine.step(self.sent.pop(0))
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +130,63 @@ def test_queue_limits_per_tenant_and_in_all(parts):
     with pytest.raises(QueueFull) as exc:
         scheduler.submit(request(tok, tenant="somebody-new"))
     assert exc.value.whole_queue
+
+
+def alone(engine: Engine, prompt, params: SamplingParams, n: int) -> list[int]:
+    """n tokens of one sequence, each step planned after the one before (the reference)."""
+    step = Step(admits=(Admit(0, params, prompt),), prefills=(Prefill(0, 0, prompt, True),))
+    out = [engine.step(step).tokens[0]]
+    while len(out) < n:
+        decode = Decode(0, out[-1], len(prompt) + len(out) - 1)
+        out.append(engine.step(Step(decodes=(decode,))).tokens[0])
+    return out
+
+
+def test_a_decode_that_feeds_back_the_previous_sample_equals_one_that_names_it(parts, tiny_llama):
+    tok, _ = parts
+    engine = Engine(tiny_llama, slots=1, ctx=512)
+    prompt, seeded = tuple(tok.encode("Once upon a time")), SamplingParams(0.9, seed=5)
+    expected = alone(engine, prompt, seeded, 6)
+    step = Step(admits=(Admit(0, seeded, prompt),), prefills=(Prefill(0, 0, prompt, True),))
+    got = [engine.step(step).tokens[0]]
+    for _ in range(5):
+        decode = Decode(0, PREVIOUS, len(prompt) + len(got) - 1)
+        got.append(engine.step(Step(decodes=(decode,))).tokens[0])
+    assert got == expected
+
+
+async def test_steps_planned_ahead_give_each_stream_what_it_gets_alone(parts, tiny_llama):
+    """Two steps in flight (the second planned before the first's tokens are known), five
+    requests over two slots: answers that end by length, by a stop string found one step
+    late (a wasted row), and slots handed to the next request while a step planned for the
+    last owner is still running. Every answer is what the request gets alone."""
+    tok, engine = parts
+    reference = Engine(tiny_llama, slots=1, ctx=512)
+    texts = ["Tell me a story", "Once upon a time", "The sea", "A lighthouse", "Hello"]
+    params = [SamplingParams(), SamplingParams(0.8, seed=3), SamplingParams(1.0, top_k=20, seed=9)]
+    cases = []
+    for i, text in enumerate(texts):
+        prompt, p = tuple(tok.encode(text)), params[i % len(params)]
+        expected = alone(reference, prompt, p, 40)
+        stop = ()
+        if i % 2:  # stop on a piece of text the answer reaches mid-way
+            words = tok.decode(expected[10:16]).strip()
+            stop = (words[: max(3, len(words) // 2)],) if words else ()
+        cases.append((Request(prompt, p, 12 + 7 * i, stop=stop, ignore_eos=True), expected))
+    worker = InProcessEngine(engine)
+    scheduler = Scheduler(tok, worker, slots=2, ctx=512)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scheduler.run)
+        submitted = [scheduler.submit(r) for r, _ in cases]
+        for _, events in submitted:
+            received = [e async for e in events]
+            assert isinstance(received[-1], Finished)
+        nursery.cancel_scope.cancel()
+    assert worker.most_in_flight == 2
+    for (seq, _), (request, expected) in zip(submitted, cases, strict=True):
+        n = len(seq.output_ids)
+        assert seq.output_ids == expected[:n]
+        assert n == request.max_tokens or seq.stops.matched
+        assert seq.pending == 0
+    assert any(seq.stops.matched for seq, _ in submitted)
+    assert all(s.seq is None for s in scheduler.slots)

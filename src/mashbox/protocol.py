@@ -43,9 +43,14 @@ class Prefill:
     pool: bool = False  # embeddings: add this chunk's final hidden states to the slot's sum
 
 
+# A Decode's token_id when the scheduler planned the step before it had the one before's
+# result: the engine feeds the token it sampled for that slot in the previous step.
+PREVIOUS = -1
+
+
 @attrs.frozen
 class Decode:
-    """Feed one token at `position` of `slot` and sample the next."""
+    """Feed one token at `position` of `slot` and sample the next; token_id may be PREVIOUS."""
 
     slot: int
     token_id: int

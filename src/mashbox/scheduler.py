@@ -15,6 +15,7 @@ import trio
 
 from .prompt_cache import PromptCache, common_prefix
 from .protocol import (
+    PREVIOUS,
     Admit,
     Branch,
     Decide,
@@ -151,6 +152,7 @@ class Sequence:
     done: bool = False
     emitted: bool = False  # text has gone to the handler
     retried: bool = False  # the one run-again after an engine fault is spent
+    pending: int = 0  # steps sent that sample this sequence's next token, results not yet in
     t_start: float | None = None
     t_first: float | None = None
     t_last: float | None = None
@@ -169,6 +171,15 @@ class Slot:
     tokens: list[int] = attrs.Factory(list)
     seq: Sequence | None = None
     last_used: int = 0
+
+
+@attrs.frozen
+class Sent:
+    """A step sent to the engine, and which sequence owned each slot when it was planned
+    (by the time its result is in, a slot may have a new owner)."""
+
+    step: Step
+    owners: dict[int, Sequence]
 
 
 @attrs.frozen
@@ -234,6 +245,7 @@ class Scheduler:
         self.draining: list[Sequence] = []  # finished, events not yet taken by the handler
         self.worker = worker  # a started Supervisor: `ready`, `await step()`, `await restart()`
         self._wakeup = trio.Event()
+        self._sent: collections.deque[Sent] = collections.deque()  # oldest first, at most 2
         self._uses = 0
         self._steps = 0
         self._closing = False
@@ -287,28 +299,44 @@ class Scheduler:
     # --- the loop -------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Step the engine until `close`."""
-        worker = self.worker
+        """Step the engine until `close`.
+
+        While the engine runs one step the next is already in its pipe (decodes only,
+        planned before the running step's tokens are known: each row feeds back the token
+        the engine sampled for it), so the engine never waits for the server between
+        steps. Anything else (admissions, prompt chunks, reads, cache moves) waits until
+        no step is in flight and goes in a step planned on the engine's latest state."""
         while not self._closing:
             self._deliver()
             self._reap()
             self._admit()
-            step = self._plan()
-            if step is None:
-                await self._idle()
-                continue
-            with trio.CancelScope() as self._step_scope:
-                try:
-                    result = await worker.step(step)
-                except WorkerError as exc:
-                    log.error("engine fault: %s", str(exc).strip().splitlines()[-1])
-                    self._on_fault()
-                    await worker.restart()
+            try:
+                if not self._sent and not self._send(self._plan()):
+                    await self._idle()
                     continue
-            if self._step_scope.cancelled_caught:
-                break
-            self._apply(step, result)
+                if len(self._sent) == 1 and not self._needs_latest_state():
+                    self._send(self._plan_ahead())
+                with trio.CancelScope() as self._step_scope:
+                    result = await self.worker.receive()
+                if self._step_scope.cancelled_caught:
+                    break
+            except WorkerError as exc:
+                log.error("engine fault: %s", str(exc).strip().splitlines()[-1])
+                self._on_fault()
+                await self.worker.restart()
+                continue
+            self._apply(self._sent.popleft(), result)
         self._fail_everyone(Failed("the server is shutting down", status=503))
+
+    def _send(self, step: Step | None) -> bool:
+        if step is None:
+            return False
+        owners = {s.index: s.seq for s in self.slots if s.seq is not None}
+        for slot in [d.slot for d in step.decodes] + [p.slot for p in step.prefills if p.sample]:
+            owners[slot].pending += 1
+        self.worker.send(step)
+        self._sent.append(Sent(step, owners))
+        return True
 
     def close(self) -> None:
         """Stop stepping; every request still running or waiting ends with a 503 error."""
@@ -333,6 +361,7 @@ class Scheduler:
         """The engine lost every slot: run each request again once, unless its client has
         text already (streams) or it already had its second run."""
         again = []
+        self._sent.clear()  # the new engine process never runs what the old one was sent
         self.prompt_cache.clear()  # the host copies lived in the engine process too
         self._saves, self._restores, self._drops = [], [], []
         for slot in self.slots:
@@ -345,6 +374,7 @@ class Scheduler:
                 self._fail(seq, Failed("the request failed on the device"))
                 continue
             seq.retried, seq.admitted, seq.prefilled, seq.cached = True, False, 0, 0
+            seq.pending = 0
             seq.output_ids.clear()
             seq.outbox.clear()
             seq.detok = Detokenizer(self.tokenizer)
@@ -498,40 +528,77 @@ class Scheduler:
             self._steps, tuple(admits), tuple(prefills), tuple(decodes), *moves, tuple(decides)
         )
 
-    def _apply(self, step: Step, result: StepResult) -> None:
-        now = time.perf_counter()
-        tokens = result.tokens
-        prompt_tokens = generated = 0
-        for p in step.prefills:
-            slot = self.slots[p.slot]
-            if slot.seq is None or slot.seq.cancelled:
+    def _needs_latest_state(self) -> bool:
+        """Whether the next step carries work that must be planned on the engine's latest
+        state: an admission, a prompt chunk, a read or a cache move."""
+        if self._saves or self._restores or self._drops:
+            return True
+        return any(s.seq is not None and not s.seq.decoding for s in self.slots)
+
+    def _plan_ahead(self) -> Step | None:
+        """The decodes of the step after the one in flight. A row whose token is still being
+        sampled feeds it back (PREVIOUS) one position on, unless that token ends the answer
+        for sure (max_tokens, context); an end of turn or a stop string costs one wasted row."""
+        decodes = []
+        for slot in self.slots:
+            seq = slot.seq
+            if seq is None or seq.cancelled or not seq.decoding or seq.outbox:
                 continue
-            slot.tokens.extend(p.token_ids)
-            slot.seq.prefilled += len(p.token_ids)
+            n_prompt, n_out = len(seq.request.prompt_ids), len(seq.output_ids)
+            if not seq.pending:
+                decodes.append(Decode(slot.index, seq.output_ids[-1], n_prompt + n_out - 1))
+            elif n_out + 1 < seq.request.max_tokens and n_prompt + n_out + 1 < self.ctx:
+                decodes.append(Decode(slot.index, PREVIOUS, n_prompt + n_out))
+        if not decodes:
+            return None
+        self._steps += 1
+        return Step(self._steps, decodes=tuple(decodes))
+
+    def _apply(self, sent: Sent, result: StepResult) -> None:
+        now = time.perf_counter()
+        step, tokens = sent.step, result.tokens
+        prompt_tokens = generated = 0
+
+        def owner(slot: int) -> Sequence | None:
+            """The slot's sequence if it still owns the slot it had when this was planned."""
+            seq = sent.owners.get(slot)
+            return seq if seq is self.slots[slot].seq and not seq.cancelled else None
+
+        for slot in [d.slot for d in step.decodes] + [p.slot for p in step.prefills if p.sample]:
+            sent.owners[slot].pending -= 1
+        for p in step.prefills:
+            seq = owner(p.slot)
+            if seq is None:
+                continue
+            self.slots[p.slot].tokens.extend(p.token_ids)
+            seq.prefilled += len(p.token_ids)
             if p.pool and p.sample:
-                prompt_tokens += len(slot.seq.request.prompt_ids)
-                slot.seq.t_first = slot.seq.t_last = now
-                slot.seq.outbox.append(Embedding(result.embeddings[p.slot]))
-                self._finish(slot.seq, "stop", flush=False)
+                prompt_tokens += len(seq.request.prompt_ids)
+                seq.t_first = seq.t_last = now
+                seq.outbox.append(Embedding(result.embeddings[p.slot]))
+                self._finish(seq, "stop", flush=False)
             elif p.sample:
-                prompt_tokens += len(slot.seq.request.prompt_ids)
+                prompt_tokens += len(seq.request.prompt_ids)
                 generated += 1
-                self._on_token(slot.seq, tokens[p.slot], now)
+                self._on_token(seq, tokens[p.slot], now)
         for d in step.decides:
-            seq = self.slots[d.slot].seq
-            if seq is None or seq.cancelled:
+            seq = owner(d.slot)
+            if seq is None:
                 continue
             prompt_tokens += len(seq.request.prompt_ids)
             seq.t_first = seq.t_last = now
             seq.outbox.append(Decision(result.decisions[d.slot]))
             self._finish(seq, "stop", flush=False)
         for d in step.decodes:
-            slot = self.slots[d.slot]
-            if slot.seq is None or slot.seq.cancelled:
+            seq = owner(d.slot)
+            if seq is None:  # ended, or dropped, after this was planned: a wasted row
                 continue
-            slot.tokens.append(d.token_id)
+            # The token fed at d.position: known now, even where the plan said PREVIOUS.
+            self.slots[d.slot].tokens.append(
+                seq.output_ids[d.position - len(seq.request.prompt_ids)]
+            )
             generated += 1
-            self._on_token(slot.seq, tokens[d.slot], now)
+            self._on_token(seq, tokens[d.slot], now)
         self.observer.stepped(prompt_tokens, generated, result.forwards, result.elapsed_s)
 
     def _on_token(self, seq: Sequence, token: int, now: float) -> None:

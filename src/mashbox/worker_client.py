@@ -44,12 +44,18 @@ class WorkerProcess:
             raise WorkerError(f"unexpected worker reply {info!r}")
         return info
 
-    async def step(self, step: Step) -> StepResult:
-        """Send one step and wait for its result without blocking the event loop."""
+    def send(self, step: Step) -> None:
+        """Queue a step in the pipe; the worker runs steps in the order they are sent.
+
+        Only a step sent while another runs can wait here for pipe space: the scheduler
+        sends such steps (decodes only) small."""
         try:
             self._conn.send(step)
         except OSError as exc:
             raise WorkerError(f"worker pipe closed: {exc}") from exc
+
+    async def receive(self) -> StepResult:
+        """The result of the oldest step sent, without blocking the event loop."""
         result = await self._receive()
         if not isinstance(result, StepResult):
             raise WorkerError(f"unexpected worker reply {result!r}")
@@ -114,14 +120,24 @@ class Supervisor:
         self.ready = True
         return self.info
 
-    async def step(self, step: Step) -> StepResult:
-        """One step under the watchdog deadline: a hung engine is a fault, not a wait."""
+    def send(self, step: Step) -> None:
+        self.worker.send(step)
+
+    async def receive(self) -> StepResult:
+        """The oldest sent step's result under the watchdog deadline (counted from when the
+        worker could start it: the step before's result, or now): a hung engine is a fault,
+        not a wait."""
         with trio.move_on_after(self.step_timeout):
-            result = await self.worker.step(step)
+            result = await self.worker.receive()
             self.compiles_after_ready += result.compiles - self._compiles_seen
             self._compiles_seen = result.compiles
             return result
-        raise WorkerError(f"step {step.index} took longer than {self.step_timeout:g} s")
+        raise WorkerError(f"an engine step took longer than {self.step_timeout:g} s")
+
+    async def step(self, step: Step) -> StepResult:
+        """Send one step and wait for its result (nothing else in flight)."""
+        self.send(step)
+        return await self.receive()
 
     async def restart(self) -> None:
         """Replace the worker; keep trying (health says loading meanwhile)."""

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
-from ..protocol import Admit, Decide, EngineInfo, SamplingParams, Step, StepResult
+from ..protocol import PREVIOUS, Admit, Decide, EngineInfo, SamplingParams, Step, StepResult
 from . import cpu_kernels, int4
+from . import graph_decode as graph_decode_mod
 from . import weights as weights_mod
-from .model import MIN_GEMM_ROWS, KVCache, Model
+from .model import KVCache, Model
 from .sampling import apply_penalties, sample
 
 
@@ -24,6 +25,7 @@ class _SlotState:
         if admit.prompt_ids:
             self.prompt_mask[torch.tensor(admit.prompt_ids, device=device)] = True
         self.counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+        self.last: int | None = None  # the token sampled last: what a PREVIOUS decode feeds
 
 
 def default_dtype(device: str) -> torch.dtype:
@@ -44,11 +46,12 @@ def resolve_decode_weights(kind: str, device: str) -> str:
 
 
 def compiles_so_far() -> int:
-    """Programs this process has compiled or loaded just in time: mashbox's CPU kernels and
-    any torch.compile graphs. The server checks that none happen after it reports ready."""
+    """Programs this process has compiled or loaded just in time: mashbox's CPU kernels, any
+    torch.compile graphs and captured CUDA graphs. The server checks that none happen after
+    it reports ready."""
     dynamo = sys.modules.get("torch._dynamo")
     graphs = dynamo.utils.counters["stats"]["unique_graphs"] if dynamo else 0
-    return cpu_kernels.builds + graphs
+    return cpu_kernels.builds + graphs + graph_decode_mod.captures
 
 
 BRANCH_ROWS = 4096  # rows per decision forward: bounds activation memory
@@ -80,7 +83,10 @@ class Engine:
         device: str = "cpu",
         dtype=None,
         decode_weights: str = "float",
+        graph_decode: bool | None = None,
     ):
+        """graph_decode: decode as fixed-shape steps, CUDA graphs on a GPU (graph_decode.py);
+        None: as $MASHBOX_GRAPH_DECODE says, else on CUDA with float decode weights."""
         decode_weights = resolve_decode_weights(decode_weights, device)
         # int4 loads the file's own Q4_0/Q4_1/Q8_0 blocks; the rest works from float tensors.
         keep = int4.KEPT_QTYPES if decode_weights == "int4" else ()
@@ -100,7 +106,12 @@ class Engine:
             blocks=loaded.blocks,
         )
         self.ctx = ctx
-        self.cache = KVCache(self.cfg, slots, ctx, self.device, self.dtype)
+        fixed_shape = graph_decode_mod.wanted(graph_decode, self.model)
+        self.cache = KVCache(
+            self.cfg, slots, ctx, self.device, self.dtype, scratch_slot=fixed_shape
+        )
+        if fixed_shape:  # captures its graphs now, before the server reports ready
+            self.model.graph_decoder = graph_decode_mod.GraphDecoder(self.model, self.cache)
         self.slots: list[_SlotState | None] = [None] * slots
         self.host_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # prompt cache
         self.pooled: dict[int, torch.Tensor] = {}  # embeddings: hidden-state sums so far
@@ -149,7 +160,7 @@ class Engine:
                 embeddings[p.slot] = tuple((mean / mean.norm().clamp_min(1e-12)).tolist())
         if step.decodes:
             slots = [d.slot for d in step.decodes]
-            ids = torch.tensor([d.token_id for d in step.decodes], device=self.device)
+            ids = torch.tensor([self._input(d) for d in step.decodes], device=self.device)
             positions = torch.tensor([d.position for d in step.decodes], device=self.device)
             logits = self.model.logits(self.model.decode(self.cache, slots, ids, positions))
             for row, d in enumerate(step.decodes):
@@ -195,8 +206,7 @@ class Engine:
                 n = len(b.token_ids)
                 rows += [start + n - 1, *range(start + n, start + n + len(b.leaves))]
                 start += n + len(b.leaves)
-            padded = rows + rows[-1:] * (MIN_GEMM_ROWS - len(rows))  # batch-invariant rows
-            logits = self.model.logits(hidden[padded]).float()
+            logits = self.model.logits(hidden[rows], row_invariant=True)
             logprobs = torch.log_softmax(logits, dim=-1).cpu()
             r = 0
             for b in group:
@@ -207,9 +217,18 @@ class Engine:
                 out.append(tuple(reads))
         return tuple(out), forwards
 
+    def _input(self, decode) -> int:
+        if decode.token_id != PREVIOUS:
+            return decode.token_id
+        last = self.slots[decode.slot].last
+        if last is None:
+            raise ValueError(f"slot {decode.slot} has sampled nothing to feed back")
+        return last
+
     def _sample(self, slot: int, logits: torch.Tensor, position: int) -> int:
         state = self.slots[slot]
         logits = apply_penalties(logits, state.params, state.prompt_mask, state.counts)
         token = sample(logits, state.params, position)
         state.counts[token] += 1
+        state.last = token
         return token

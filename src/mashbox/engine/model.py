@@ -36,9 +36,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 INT8_MAX_ROWS = 16  # up to this many rows (decode batches) use the int8 weights
-# Below this many rows, CPU sgemm takes small-M paths whose rounding depends on M: decision
-# reads are padded to it so a row gets the same bits whatever else is in the batch.
-MIN_GEMM_ROWS = 16
+# CPU sgemm rounds a row differently depending on how many rows share the call (MKL on
+# AVX-512: M < 16 and 57..~200 at K = 1536 differ from M = 16), but never on where the row
+# sits or what the others hold when M is the same. Decision reads multiply in blocks of
+# exactly this many rows, so a row gets the same bits whatever else is in the request;
+# 64 costs ~30% over one call of 640 rows here (blocks of 16: 2.8x).
+GEMM_ROW_BLOCK = 64
 
 
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -88,6 +91,14 @@ def linear(x: Tensor, w, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, w, bias) if isinstance(w, Tensor) else w(x, bias)
 
 
+def linear_in_blocks(x: Tensor, w, bias: Tensor | None = None) -> Tensor:
+    """`linear` over blocks of exactly GEMM_ROW_BLOCK rows (the last one padded): every row
+    is computed by a call of one shape, so its bits do not depend on the row count."""
+    n = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, -n % GEMM_ROW_BLOCK))
+    return torch.cat([linear(block, w, bias) for block in padded.split(GEMM_ROW_BLOCK)])[:n]
+
+
 # Each decode matrix and the file's tensors it is made of, concatenated along the output dim.
 DECODE_MATRICES = {
     "wqkv": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
@@ -108,15 +119,24 @@ def decode_weight(w: Tensor, blocks: list, kind: str):
 
 
 class KVCache:
-    """One whole context per slot: k/v are [layers, slots, kv_heads, ctx, head_dim]."""
+    """One whole context per slot: k/v are [layers, slots, kv_heads, ctx, head_dim].
 
-    def __init__(self, cfg: ModelConfig, slots: int, ctx: int, device, dtype):
-        shape = (cfg.n_layers, slots, cfg.n_kv_heads, ctx, cfg.head_dim)
+    With scratch_slot, one more slot follows the last (index `slots`), owned by no sequence:
+    fixed-shape decode (graph_decode) writes its padding rows there. It costs one slot's
+    memory (ctx * bytes_per_token; 1 GiB for an 8B model at ctx 8192)."""
+
+    def __init__(
+        self, cfg: ModelConfig, slots: int, ctx: int, device, dtype, *, scratch_slot=False
+    ):
+        self.slots, self.ctx = slots, ctx
+        self.scratch_slot = slots if scratch_slot else None
+        shape = (cfg.n_layers, slots + bool(scratch_slot), cfg.n_kv_heads, ctx, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 
     @property
     def nbytes(self) -> int:
+        """Memory the cache holds, the scratch slot included."""
         return 2 * self.k.numel() * self.k.element_size()
 
     @property
@@ -190,6 +210,7 @@ class Model:
                 }
             )
         self.cos, self.sin = rope_tables(cfg, max(n_positions, cfg.max_context), self.device)
+        self.graph_decoder = None  # a graph_decode.GraphDecoder, where the engine set one
         if decode_weights != "float":
             blocks = blocks or {}
             for i, layer in enumerate(self.layers):
@@ -249,7 +270,7 @@ class Model:
         layers = sum(nbytes(w) for layer in self.layers for w in layer.values() if w is not None)
         return layers + nbytes(self.lm_head) + nbytes(self.final_norm)
 
-    def forward(self, token_ids: Tensor, positions: Tensor, attend) -> Tensor:
+    def forward(self, token_ids: Tensor, positions: Tensor, attend, linear=linear) -> Tensor:
         """Run the decoder on flat tokens; `attend(layer, q, k, v)` owns the KV cache.
 
         token_ids and positions are [T]; returns the final hidden states [T, d_model].
@@ -276,9 +297,10 @@ class Model:
             x = x + linear(F.silu(gate) * up, w["w_down"])
         return rms_norm(x, self.final_norm, cfg.norm_eps)
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """Project hidden states to float32 vocabulary logits."""
-        return linear(hidden, self.lm_head).float()
+    def logits(self, hidden: Tensor, *, row_invariant: bool = False) -> Tensor:
+        """Project hidden states to float32 vocabulary logits (row_invariant: each row's
+        bits independent of the row count, as `linear_in_blocks`)."""
+        return (linear_in_blocks if row_invariant else linear)(hidden, self.lm_head).float()
 
     def prefill(
         self, cache: KVCache, slot: int, start: int, token_ids: Tensor, *, all_rows: bool = False
@@ -327,6 +349,8 @@ class Model:
 
     def decode(self, cache: KVCache, slots: list[int], token_ids: Tensor, positions: Tensor):
         """Feed one token per slot (a batch); return hidden states [len(slots), d_model]."""
+        if self.graph_decoder is not None and cache is self.graph_decoder.cache:
+            return self.graph_decoder.decode(slots, token_ids, positions)
         slot_index = torch.tensor(slots, device=self.device)
         if self.decode_stack is not None and len(slots) <= INT8_MAX_ROWS:
             x = F.embedding(token_ids, self.embed)
@@ -359,14 +383,12 @@ class Model:
         branch after branch, leaves after their suffix.
 
         Each branch attends to the shared prefix in place (a view of the slot, never copied)
-        and to its own rows only, so its answer cannot depend on the other branches; with at
-        least MIN_GEMM_ROWS rows the float32 CPU matmuls give every row the same bits
-        whatever the batch (tests/test_engine.py checks that).
+        and to its own rows only, so its answer cannot depend on the other branches; the
+        matmuls run in blocks of GEMM_ROW_BLOCK rows, so every row gets the same bits
+        whatever the batch (tests/test_engine.py and, on the real model,
+        tests/test_default_model.py check that).
         """
         spans, ids, positions = [], [], []
-        rows = sum(len(suffix) + len(leaves) for suffix, leaves in branches)
-        if rows < MIN_GEMM_ROWS:  # a padding branch, read by no one
-            branches = [*branches, ([0] * (MIN_GEMM_ROWS - rows), [])]
         for suffix, leaves in branches:
             n, m = len(suffix), len(leaves)
             spans.append((len(ids), n, m))
@@ -410,7 +432,7 @@ class Model:
 
         token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return self.forward(token_ids, pos, attend)
+        return self.forward(token_ids, pos, attend, linear=linear_in_blocks)
 
 
 def _tree_mask(n: int, m: int, device) -> Tensor:

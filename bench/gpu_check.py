@@ -1,0 +1,325 @@
+"""The GPU check of issue 13: the CUDA decode path against the CPU reference, then its speed.
+
+1. Correctness, on a tiny random GGUF model (tests/tinymodels.py): 3 prompts, 32 greedy tokens
+   each, through the Engine on the CPU (float32, the reference) and on the device (bf16) by
+   the default torch path ("eager") and by fixed-shape decode ("graph": captured CUDA graphs);
+   token agreement and the first decode step's largest logit difference.
+2. Speed, on a random-weight model of Llama-3-8B shape in bf16, built on the device (no file):
+   32 slots of ctx 2048, each holding a few hundred positions of random KV; decode steps at
+   batch 1, 8 and 32 (the head included, sampling not), median of 20 after 3 warm-ups, for the
+   per-row reference path, the fixed-shape function run eagerly, and its graph replays.
+   The limit: a step must read every weight once, weight bytes / 4.8 TB/s (the H200's memory
+   bandwidth); "of limit" is that time over the measured one.
+
+Prints a compact report; with $OUT set, also writes it to $OUT/gpu_check.json. About 2-4
+minutes on an H200.
+
+On this workplace's device machine (its python3 has CUDA torch, and it reaches no package
+registry, so the one pure-Python package mashbox needs that it lacks travels as a wheel):
+
+    # here, once, in the repo root
+    echo /.whl/ >> .git/info/exclude
+    .venv/bin/pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0
+    # then the device tool's run, with carry [".whl"] and timeout_s 480:
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && PYTHONPATH=src:/tmp/site PYTHONUNBUFFERED=1 \
+        python3 bench/gpu_check.py
+
+Elsewhere, with a CUDA build of torch in the venv (`pip install torch` on a machine with a GPU;
+`pip install -e .` for mashbox):  .venv/bin/python bench/gpu_check.py
+The script itself, on a CPU, in seconds:  .venv/bin/python bench/gpu_check.py --smoke --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]  # this tree's mashbox; tinymodels
+
+from mashbox.engine.config import ModelConfig  # noqa: E402
+from mashbox.engine.engine import Engine, compiles_so_far  # noqa: E402
+from mashbox.engine.graph_decode import GraphDecoder, reads_in_place  # noqa: E402
+from mashbox.engine.model import KVCache, Model  # noqa: E402
+from mashbox.protocol import Admit, Decode, Prefill, SamplingParams, Step  # noqa: E402
+
+from tinymodels import random_weights, write_gguf  # noqa: E402
+
+BANDWIDTH = 4.8e12  # bytes/s: the H200's HBM3e, by its datasheet
+LLAMA3_8B = ModelConfig(
+    arch="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
+    d_ff=14336, vocab_size=128256, max_context=8192, rope_theta=500000.0,
+)  # fmt: skip
+SMOKE_SHAPE = ModelConfig(
+    arch="llama", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
+    d_ff=128, vocab_size=256, max_context=512,
+)  # fmt: skip
+TINY_VOCAB = 97
+
+
+# 1. Correctness ---------------------------------------------------------------------------
+
+
+def greedy(engine: Engine, prompts: list[tuple[int, ...]], n: int) -> list[list[int]]:
+    """n greedy tokens for each prompt, all prompts decoded as one batch."""
+    params = SamplingParams()
+    first = engine.step(
+        Step(
+            admits=tuple(Admit(s, params, p) for s, p in enumerate(prompts)),
+            prefills=tuple(Prefill(s, 0, p, True) for s, p in enumerate(prompts)),
+        )
+    )
+    seqs = [[first.tokens[s]] for s in range(len(prompts))]
+    for _ in range(n - 1):
+        decodes = tuple(
+            Decode(s, seq[-1], len(p) + len(seq) - 1)
+            for s, (p, seq) in enumerate(zip(prompts, seqs, strict=True))
+        )
+        tokens = engine.step(Step(decodes=decodes)).tokens
+        for s, seq in enumerate(seqs):
+            seq.append(tokens[s])
+    return seqs
+
+
+@torch.inference_mode()
+def first_decode_logits(engine: Engine, prompts, first_tokens: list[int]) -> torch.Tensor:
+    """The logits of the first decode step after each prompt (its KV is still in the slot),
+    fed the same tokens on every engine; float32 on the CPU."""
+    device = engine.device
+    ids = torch.tensor(first_tokens, device=device)
+    positions = torch.tensor([len(p) for p in prompts], device=device)
+    hidden = engine.model.decode(engine.cache, list(range(len(prompts))), ids, positions)
+    return engine.model.logits(hidden).float().cpu()
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x == y for sa, sb in zip(a, b, strict=True) for x, y in zip(sa, sb, strict=True))
+
+
+def correctness(device: str, workdir: Path, n_tokens: int = 32) -> dict:
+    weights = random_weights(vocab=TINY_VOCAB, seed=7)
+    path = write_gguf(workdir / "tiny.gguf", weights, lambda w: w.add_tokenizer_model("gpt2"))
+    # The long prompt crosses the L=256 context bucket while decoding; 3 rows pad to B=4.
+    prompts = [(4, 8, 15, 16, 23, 42), tuple(i % TINY_VOCAB for i in range(240)), (9, 8, 7)]
+    engines = {
+        "cpu-float32": Engine(path, slots=4, ctx=512, device="cpu", graph_decode=False),
+        f"{device}-eager": Engine(path, slots=4, ctx=512, device=device, graph_decode=False),
+        f"{device}-graph": Engine(path, slots=4, ctx=512, device=device, graph_decode=True),
+    }
+    tokens = {name: greedy(e, prompts, n_tokens) for name, e in engines.items()}
+    first = [seq[0] for seq in tokens["cpu-float32"]]
+    logits = {name: first_decode_logits(e, prompts, first) for name, e in engines.items()}
+    total = len(prompts) * n_tokens
+
+    def versus(name: str, base: str) -> dict:
+        return {
+            "tokens_equal": agreement(tokens[name], tokens[base]),
+            "of": total,
+            "max_logit_diff": float((logits[name] - logits[base]).abs().max()),
+        }
+
+    decoder = engines[f"{device}-graph"].model.graph_decoder
+    return {
+        "model": "tiny llama (2 layers, d_model 64, vocab 97)",
+        "vs_cpu_float32": {name: versus(name, "cpu-float32") for name in list(engines)[1:]},
+        "graph_vs_eager": versus(f"{device}-graph", f"{device}-eager"),
+        "graphs": len(decoder.graphs),
+        "eager_reason": decoder.eager_reason,
+        "logit_scale": float(logits["cpu-float32"].abs().max()),
+    }
+
+
+# 2. Speed ---------------------------------------------------------------------------------
+
+
+def random_model(cfg: ModelConfig, device, dtype, ctx: int) -> Model:
+    """Random weights under GGUF names, made on the device (Q/K order is irrelevant here)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def mat(rows: int, cols: int) -> torch.Tensor:
+        w = torch.randn(rows, cols, generator=generator, device=device, dtype=dtype)
+        return w.mul_(cols**-0.5)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, device=device, dtype=dtype)
+
+    d, hd = cfg.d_model, cfg.head_dim
+    tensors = {"token_embd.weight": mat(cfg.vocab_size, d), "output_norm.weight": ones(d)}
+    tensors["output.weight"] = mat(cfg.vocab_size, d)
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        tensors |= {
+            p + "attn_norm.weight": ones(d),
+            p + "attn_q.weight": mat(cfg.n_heads * hd, d),
+            p + "attn_k.weight": mat(cfg.n_kv_heads * hd, d),
+            p + "attn_v.weight": mat(cfg.n_kv_heads * hd, d),
+            p + "attn_output.weight": mat(d, cfg.n_heads * hd),
+            p + "ffn_norm.weight": ones(d),
+            p + "ffn_gate.weight": mat(cfg.d_ff, d),
+            p + "ffn_up.weight": mat(cfg.d_ff, d),
+            p + "ffn_down.weight": mat(d, cfg.d_ff),
+        }
+    return Model(cfg, tensors, device, dtype, n_positions=ctx)
+
+
+def median_seconds(step, device: torch.device, warmup: int, steps: int) -> float:
+    """Median step time: CUDA events on a GPU (idle gaps while the host launches count),
+    the wall clock elsewhere."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def speed(cfg, device: torch.device, *, slots, ctx, batches, warmup, steps, fill) -> dict:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = random_model(cfg, device, dtype, ctx)
+    cache = KVCache(cfg, slots, ctx, device, dtype, scratch_slot=True)
+    # As if each slot held some earlier prompt: `fill` positions of random KV.
+    cache.k.normal_()
+    cache.v.normal_()
+    generator = torch.Generator().manual_seed(1)
+    lengths = torch.randint(fill[0], fill[1], (slots,), generator=generator).tolist()
+    compiles, t0 = compiles_so_far(), time.perf_counter()
+    decoder = GraphDecoder(model, cache)
+    capture = {
+        "graphs": len(decoder.graphs),
+        "compiles": compiles_so_far() - compiles,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "eager_reason": decoder.eager_reason,
+    }
+    weight_bytes = model.decode_nbytes
+    limit_s = weight_bytes / BANDWIDTH
+    modes = {
+        "reference": lambda s, i, p: model.decode(cache, s, i, p),  # no decoder set: per row
+        "fixed-eager": lambda s, i, p: decoder.decode(s, i, p, eager=True),
+        "graph": lambda s, i, p: decoder.decode(s, i, p),
+    }
+    rows = []
+    for batch in batches:
+        slots_b = list(range(batch))
+        for mode, decode in modes.items():
+            offset = [0]  # each step one position further, as decoding goes
+
+            def step(slots_b=slots_b, decode=decode, offset=offset):
+                positions = [lengths[s] + offset[0] for s in slots_b]
+                offset[0] += 1
+                ids = torch.randint(0, cfg.vocab_size, (len(slots_b),), device=device)
+                model.logits(decode(slots_b, ids, torch.tensor(positions, device=device)))
+
+            seconds = median_seconds(step, device, warmup, steps)
+            longest = max(lengths[s] for s in slots_b) + offset[0]
+            b, length = decoder.bucket(batch, longest)
+            # Key rows read: the per-row reference reads its own lengths; the fixed-shape
+            # step all slots in place, or its bucket's rows 3 times (gather, copy, attend).
+            read_rows = cache.k.shape[1] if reads_in_place(b, cache.k.shape[1]) else 3 * b
+            kv_real = sum(lengths[s] + offset[0] for s in slots_b) * cache.bytes_per_token
+            kv_bucketed = read_rows * length * cache.bytes_per_token
+            rows.append(
+                {
+                    "batch": batch,
+                    "mode": mode,
+                    "ms": round(seconds * 1e3, 3),
+                    "tok_s": round(batch / seconds, 1),
+                    "of_limit": round(limit_s / seconds, 3),
+                    "kv_bytes_real": kv_real,
+                    "kv_bytes_read": kv_real if mode == "reference" else kv_bucketed,
+                    "bucket": [b, length],
+                }
+            )
+    memory = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    return {
+        "shape": "llama-3-8b" if cfg == LLAMA3_8B else "smoke",
+        "dtype": str(dtype).removeprefix("torch."),
+        "slots": slots,
+        "ctx": ctx,
+        "weight_bytes": weight_bytes,
+        "limit_ms": round(limit_s * 1e3, 3),
+        "bandwidth": BANDWIDTH,
+        "capture": capture,
+        "max_memory_allocated": memory,
+        "steps": rows,
+    }
+
+
+# Report -----------------------------------------------------------------------------------
+
+
+def print_report(report: dict) -> None:
+    print(f"gpu_check on {report['device']} (torch {report['torch']})")
+    c = report["correctness"]
+    print(f"correctness: {c['model']}, 3 prompts x 32 greedy tokens, first-step logits")
+    print(f"  (logits up to {c['logit_scale']:.2f} in magnitude)")
+    for name, v in [*c["vs_cpu_float32"].items(), ("graph vs eager", c["graph_vs_eager"])]:
+        print(
+            f"  {name:<22} tokens equal {v['tokens_equal']:>3}/{v['of']}"
+            f"  max |logit diff| {v['max_logit_diff']:.4f}"
+        )
+    print(f"  graphs captured: {c['graphs']} {c['eager_reason'] or ''}".rstrip())
+    s = report["speed"]
+    cap = s["capture"]
+    print(
+        f"speed: {s['shape']} {s['dtype']}, {s['slots']} slots, ctx {s['ctx']}; weights "
+        f"{s['weight_bytes'] / 1e9:.2f} GB/step, limit {s['limit_ms']:.3f} ms at "
+        f"{s['bandwidth'] / 1e12:.1f} TB/s; {cap['graphs']} graphs in {cap['seconds']} s "
+        f"{cap['eager_reason']}".rstrip()
+    )
+    print("  batch mode         ms/step     tok/s  of limit  KV MB: needed / read   B,L")
+    for r in s["steps"]:
+        print(
+            f"  {r['batch']:>5} {r['mode']:<12} {r['ms']:>8.3f} {r['tok_s']:>9.1f}"
+            f"  {r['of_limit']:>8.3f}  {r['kv_bytes_real'] / 1e6:>10.1f} /"
+            f" {r['kv_bytes_read'] / 1e6:<10.1f} {r['bucket'][0]},{r['bucket'][1]}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape, in seconds")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a check of the script, not of the CPU
+    if args.smoke:
+        shape = dict(slots=4, ctx=512, batches=(1, 2, 4), warmup=1, steps=3, fill=(100, 300))
+        cfg = SMOKE_SHAPE
+    else:
+        shape = dict(slots=32, ctx=2048, batches=(1, 8, 32), warmup=3, steps=20, fill=(200, 500))
+        cfg = LLAMA3_8B
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report = {"device": name, "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as workdir:
+        report["correctness"] = correctness(args.device, Path(workdir))
+    report["speed"] = speed(cfg, device, **shape)
+    print_report(report)
+    if os.environ.get("OUT"):
+        out = Path(os.environ["OUT"]) / "gpu_check.json"
+        out.write_text(json.dumps(report, indent=1))
+        print(f"report written to {out}")
+
+
+if __name__ == "__main__":
+    main()
