@@ -15,71 +15,63 @@
 
 #define UNROLL _Pragma("GCC unroll 16")
 
-static constexpr int64_t TILE = 32, BLOCK = 32;
+static constexpr int64_t TILE = TILE_LANES, BLOCK = 32;
 
-// The finished sums of MB rows x V vectors into y (out: [MB][V * 8], vectors as in blocks).
+// The finished sums of MB rows x V vectors into y (out: [MB][V * LANES], vectors as in blocks).
 template <int V, int MB>
-static inline void store(const float (&out)[MB][V * 8], float* y, int64_t n0, int64_t m0,
+static inline void store(const float (&out)[MB][V * LANES], float* y, int64_t n0, int64_t m0,
                          int64_t N) {
   UNROLL for (int j = 0; j < MB; ++j)
-    UNROLL for (int v = 0; v < V; ++v) {
-      const int64_t n = n0 + (v / 4) * TILE + (v % 4) * 8;
-      _mm256_storeu_ps(y + (m0 + j) * N + n, _mm256_load_ps(out[j] + v * 8));
-    }
+    UNROLL for (int v = 0; v < V; ++v)
+      vstoreu(y + (m0 + j) * N + n0 + vec_offset(v, TILE), vload(out[j] + v * LANES));
 }
 
-// V vectors of 8 outputs (vector v in tile v / 4, columns (v % 4) * 8) for MB rows.
+// V vectors of LANES outputs (vec_offset: V = 2 * VPT spans two tiles) for MB rows.
 template <int V, int MB>
 static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs,
                             const uint16_t* dm, float* y, int64_t n0, int64_t m0, int64_t K,
                             int64_t N) {
   const int64_t blocks = K / BLOCK, tile_qs = K / 2 * TILE, tile_dm = blocks * 2 * TILE;
-  const __m256i low = _mm256_set1_epi32(0x0F);
-  alignas(32) float out[MB][V * 8] = {};
+  alignas(64) float out[MB][V * LANES] = {};
   for (int64_t b = 0; b < blocks; ++b) {
-    __m256 in[MB][V];
+    vfloat in[MB][V];
     UNROLL for (int j = 0; j < MB; ++j)
-      UNROLL for (int v = 0; v < V; ++v) in[j][v] = _mm256_setzero_ps();
+      UNROLL for (int v = 0; v < V; ++v) in[j][v] = vzero();
     for (int64_t kp = 0; kp < BLOCK / 2; ++kp) {
       const int64_t k = b * BLOCK + 2 * kp;
       // Weights k and k + 1 of V vectors, widened once for all MB rows. (The same sums in
       // the same order either way; one row takes each vector's pair as it goes instead, to
-      // keep its eight accumulators in registers.)
-      auto pairs = [&](int v) {
-        const uint8_t* p = qs + (v / 4) * tile_qs + (k / 2) * TILE + (v % 4) * 8;
-        return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-      };
+      // keep its accumulators in registers.)
+      auto pairs = [&](int v) { return widen_u8(qs + vec_offset(v, tile_qs) + (k / 2) * TILE); };
       if constexpr (MB == 1) {
-        const __m256 x0 = _mm256_broadcast_ss(x + m0 * K + k);
-        const __m256 x1 = _mm256_broadcast_ss(x + m0 * K + k + 1);
+        const vfloat x0 = vbroadcast(x + m0 * K + k), x1 = vbroadcast(x + m0 * K + k + 1);
         UNROLL for (int v = 0; v < V; ++v) {
-          const __m256i q = pairs(v);
-          in[0][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), x0, in[0][v]);
-          in[0][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), x1, in[0][v]);
+          const vint q = pairs(v);
+          in[0][v] = vfma(low_nibble_float(q), x0, in[0][v]);
+          in[0][v] = vfma(high_nibble_float(q), x1, in[0][v]);
         }
       } else {
-        __m256 w0[V], w1[V];
+        vfloat w0[V], w1[V];
         UNROLL for (int v = 0; v < V; ++v) {
-          const __m256i q = pairs(v);
-          w0[v] = _mm256_cvtepi32_ps(_mm256_and_si256(q, low));
-          w1[v] = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+          const vint q = pairs(v);
+          w0[v] = low_nibble_float(q);
+          w1[v] = high_nibble_float(q);
         }
         UNROLL for (int j = 0; j < MB; ++j) {
-          const __m256 x0 = _mm256_broadcast_ss(x + (m0 + j) * K + k);
-          UNROLL for (int v = 0; v < V; ++v) in[j][v] = _mm256_fmadd_ps(w0[v], x0, in[j][v]);
-          const __m256 x1 = _mm256_broadcast_ss(x + (m0 + j) * K + k + 1);
-          UNROLL for (int v = 0; v < V; ++v) in[j][v] = _mm256_fmadd_ps(w1[v], x1, in[j][v]);
+          const vfloat x0 = vbroadcast(x + (m0 + j) * K + k);
+          UNROLL for (int v = 0; v < V; ++v) in[j][v] = vfma(w0[v], x0, in[j][v]);
+          const vfloat x1 = vbroadcast(x + (m0 + j) * K + k + 1);
+          UNROLL for (int v = 0; v < V; ++v) in[j][v] = vfma(w1[v], x1, in[j][v]);
         }
       }
     }
     UNROLL for (int v = 0; v < V; ++v) {
-      const uint16_t* s = dm + (v / 4) * tile_dm + b * 2 * TILE + (v % 4) * 8;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + TILE)));
+      const uint16_t* s = dm + vec_offset(v, tile_dm) + b * 2 * TILE;
+      const vfloat d = from_half(s), m = from_half(s + TILE);
       UNROLL for (int j = 0; j < MB; ++j) {
-        __m256 o = _mm256_fmadd_ps(d, in[j][v], _mm256_load_ps(out[j] + v * 8));
-        o = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum + (m0 + j) * blocks + b), o);
-        _mm256_store_ps(out[j] + v * 8, o);
+        vfloat o = vfma(d, in[j][v], vload(out[j] + v * LANES));
+        o = vfma(m, vbroadcast(xsum + (m0 + j) * blocks + b), o);
+        vstore(out[j] + v * LANES, o);
       }
     }
   }
@@ -101,20 +93,23 @@ void q4_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, in
   over_tiles(
       M, tiles,
       [&](int64_t t) {
-        q4_block<8, 1>(x, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0, K, N);
+        q4_block<2 * VPT, 1>(x, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0, K, N);
       },
       [&](int64_t t) {
-        q4_block<4, 1>(x, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0, K, N);
+        q4_block<VPT, 1>(x, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0, K, N);
       },
       [&](int64_t t) {
         const uint8_t* q = qs + t * tile_qs;
         const uint16_t* s = dm + t * tile_dm;
         int64_t m = 0;
+        if constexpr (ACCUMULATORS >= 16)  // 8 rows x a whole tile: weights widened once
+          for (; M - m >= 8; m += 8) q4_block<VPT, 8>(x, xs, q, s, y, t * TILE, m, K, N);
         for (; M - m >= 4; m += 4)
-          for (int v0 = 0; v0 < 4; v0 += 2)
-            q4_block<2, 4>(x, xs, q + v0 * 8, s + v0 * 8, y, t * TILE + v0 * 8, m, K, N);
-        for (; M - m >= 2; m += 2) q4_block<4, 2>(x, xs, q, s, y, t * TILE, m, K, N);
-        if (M - m == 1) q4_block<4, 1>(x, xs, q, s, y, t * TILE, m, K, N);
+          for (int v0 = 0; v0 < VPT; v0 += 2)
+            q4_block<2, 4>(x, xs, q + v0 * LANES, s + v0 * LANES, y, t * TILE + v0 * LANES, m,
+                           K, N);
+        for (; M - m >= 2; m += 2) q4_block<VPT, 2>(x, xs, q, s, y, t * TILE, m, K, N);
+        if (M - m == 1) q4_block<VPT, 1>(x, xs, q, s, y, t * TILE, m, K, N);
       });
 }
 
@@ -124,26 +119,23 @@ template <int V, int MB>
 static inline void q8_block(const float* x, const int8_t* qs, const uint16_t* ds, float* y,
                             int64_t n0, int64_t m0, int64_t K, int64_t N) {
   const int64_t blocks = K / BLOCK, tile_qs = K * TILE, tile_d = blocks * TILE;
-  alignas(32) float out[MB][V * 8] = {};
+  alignas(64) float out[MB][V * LANES] = {};
   for (int64_t b = 0; b < blocks; ++b) {
-    __m256 in[MB][V];
+    vfloat in[MB][V];
     UNROLL for (int j = 0; j < MB; ++j)
-      UNROLL for (int v = 0; v < V; ++v) in[j][v] = _mm256_setzero_ps();
+      UNROLL for (int v = 0; v < V; ++v) in[j][v] = vzero();
     for (int64_t k = b * BLOCK; k < (b + 1) * BLOCK; ++k) {
-      __m256 xk[MB];
-      UNROLL for (int j = 0; j < MB; ++j) xk[j] = _mm256_broadcast_ss(x + (m0 + j) * K + k);
+      vfloat xk[MB];
+      UNROLL for (int j = 0; j < MB; ++j) xk[j] = vbroadcast(x + (m0 + j) * K + k);
       UNROLL for (int v = 0; v < V; ++v) {
-        const int8_t* p = qs + (v / 4) * tile_qs + k * TILE + (v % 4) * 8;
-        const __m256 w = _mm256_cvtepi32_ps(
-            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-        UNROLL for (int j = 0; j < MB; ++j) in[j][v] = _mm256_fmadd_ps(w, xk[j], in[j][v]);
+        const vfloat w = to_float(widen_i8(qs + vec_offset(v, tile_qs) + k * TILE));
+        UNROLL for (int j = 0; j < MB; ++j) in[j][v] = vfma(w, xk[j], in[j][v]);
       }
     }
     UNROLL for (int v = 0; v < V; ++v) {
-      const uint16_t* s = ds + (v / 4) * tile_d + b * TILE + (v % 4) * 8;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+      const vfloat d = from_half(ds + vec_offset(v, tile_d) + b * TILE);
       UNROLL for (int j = 0; j < MB; ++j)
-        _mm256_store_ps(out[j] + v * 8, _mm256_fmadd_ps(d, in[j][v], _mm256_load_ps(out[j] + v * 8)));
+        vstore(out[j] + v * LANES, vfma(d, in[j][v], vload(out[j] + v * LANES)));
     }
   }
   store<V, MB>(out, y, n0, m0, N);
@@ -155,19 +147,21 @@ void q8_gemm(const float* x, const int8_t* qs, const uint16_t* ds, float* y, int
   over_tiles(
       M, tiles,
       [&](int64_t t) {
-        q8_block<8, 1>(x, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, 0, K, N);
+        q8_block<2 * VPT, 1>(x, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, 0, K, N);
       },
       [&](int64_t t) {
-        q8_block<4, 1>(x, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, 0, K, N);
+        q8_block<VPT, 1>(x, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, 0, K, N);
       },
       [&](int64_t t) {
         const int8_t* q = qs + t * tile_qs;
         const uint16_t* s = ds + t * tile_d;
         int64_t m = 0;
+        if constexpr (ACCUMULATORS >= 16)
+          for (; M - m >= 8; m += 8) q8_block<VPT, 8>(x, q, s, y, t * TILE, m, K, N);
         for (; M - m >= 4; m += 4)
-          for (int v0 = 0; v0 < 4; v0 += 2)
-            q8_block<2, 4>(x, q + v0 * 8, s + v0 * 8, y, t * TILE + v0 * 8, m, K, N);
-        for (; M - m >= 1; ++m) q8_block<4, 1>(x, q, s, y, t * TILE, m, K, N);
+          for (int v0 = 0; v0 < VPT; v0 += 2)
+            q8_block<2, 4>(x, q + v0 * LANES, s + v0 * LANES, y, t * TILE + v0 * LANES, m, K, N);
+        for (; M - m >= 1; ++m) q8_block<VPT, 1>(x, q, s, y, t * TILE, m, K, N);
       });
 }
 

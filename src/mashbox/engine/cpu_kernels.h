@@ -8,6 +8,79 @@
 #include <atomic>
 #include <vector>
 
+// One vector of float32 lanes for the matmul kernels: AVX-512 where the machine that builds
+// them has it (-march=native), AVX2 elsewhere. Each lane holds one output's own sum, added
+// in the same order at either width, so both widths give the same bits.
+#if defined(__AVX512F__)
+constexpr int LANES = 16;
+using vfloat = __m512;
+using vint = __m512i;
+static inline vfloat vzero() { return _mm512_setzero_ps(); }
+static inline vfloat vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+static inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+static inline vfloat vload(const float* p) { return _mm512_load_ps(p); }  // 64-byte aligned
+static inline vfloat vloadu(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float* p, vfloat v) { _mm512_store_ps(p, v); }
+static inline void vstoreu(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
+static inline vint widen_u8(const uint8_t* p) {  // LANES bytes to int32 lanes
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline vint widen_i8(const int8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline vfloat to_float(vint q) { return _mm512_cvtepi32_ps(q); }
+static inline vint low_nibble(vint q) { return _mm512_and_si512(q, _mm512_set1_epi32(0x0F)); }
+static inline vint high_nibble(vint q) { return _mm512_srli_epi32(q, 4); }
+static inline vfloat from_half(const uint16_t* p) {  // LANES fp16 values
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// The low and high nibbles of bytes widened to int32 lanes, as floats: a 16-entry table
+// lookup (vpermps reads an index's low 4 bits) instead of a mask and a conversion.
+static inline vfloat low_nibble_float(vint q) {
+  const vfloat table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_permutexvar_ps(q, table);
+}
+static inline vfloat high_nibble_float(vint q) {
+  return low_nibble_float(_mm512_srli_epi32(q, 4));
+}
+#else
+constexpr int LANES = 8;
+using vfloat = __m256;
+using vint = __m256i;
+static inline vfloat vzero() { return _mm256_setzero_ps(); }
+static inline vfloat vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+static inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+static inline vfloat vload(const float* p) { return _mm256_load_ps(p); }  // 32-byte aligned
+static inline vfloat vloadu(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float* p, vfloat v) { _mm256_store_ps(p, v); }
+static inline void vstoreu(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
+static inline vint widen_u8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+static inline vint widen_i8(const int8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+static inline vfloat to_float(vint q) { return _mm256_cvtepi32_ps(q); }
+static inline vint low_nibble(vint q) { return _mm256_and_si256(q, _mm256_set1_epi32(0x0F)); }
+static inline vint high_nibble(vint q) { return _mm256_srli_epi32(q, 4); }
+static inline vfloat from_half(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline vfloat low_nibble_float(vint q) { return to_float(low_nibble(q)); }
+static inline vfloat high_nibble_float(vint q) { return to_float(high_nibble(q)); }
+#endif
+constexpr int TILE_LANES = 32;            // outputs per packed tile (cpu_kernels.TILE)
+constexpr int VPT = TILE_LANES / LANES;  // vectors per tile: 4 (AVX2) or 2 (AVX-512)
+// The vectors of a kernel block lie in consecutive tiles: vector v at tile v / VPT, lanes
+// from (v % VPT) * LANES.
+static inline int64_t vec_offset(int v, int64_t tile_stride) {
+  return (v / VPT) * tile_stride + (v % VPT) * LANES;
+}
+// Accumulators a register file holds with room to spare: 16 ymm (AVX2) or 32 zmm.
+constexpr int ACCUMULATORS = LANES == 16 ? 16 : 8;
+
 // f(i) for every i in [0, n) on torch's threads, which take `chunk` indices at a time as they
 // become free. A static split (at::parallel_for) makes the whole call wait for a thread that
 // lost its core to another process, and on two cores the server's own work does that every

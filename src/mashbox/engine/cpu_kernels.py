@@ -50,14 +50,21 @@ def load():
 
     global builds
     builds += 1
-    build_dir = Path.home() / ".cache" / "mashbox" / "kernels"
+    # One build per instruction set: -march=native code from an AVX-512 machine would not
+    # run on an AVX2 one that shares the home directory. MASHBOX_CPU_KERNELS=avx2 builds
+    # the 256-bit kernels on an AVX-512 machine (to test or time both widths).
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    width = ["-mno-avx512f"] if os.environ.get("MASHBOX_CPU_KERNELS") == "avx2" else []
+    if width:
+        capability = "avx2"
+    build_dir = Path.home() / ".cache" / "mashbox" / "kernels" / capability
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         return build(
-            "mashbox_cpu_kernels",
+            f"mashbox_cpu_kernels_{capability}",
             sources=[str(s) for s in SOURCES],
             # OpenMP binds to the libgomp torch has loaded: one thread pool for both.
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", *width, "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
         )

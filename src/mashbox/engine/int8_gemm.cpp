@@ -4,7 +4,7 @@
 // activations, int8 weights read from memory once per call whatever M is.
 //
 // The weights are packed in tiles of 32 output rows, k-major: p[N / 32][K][32] (pack_int8 in
-// cpu_kernels.py). At each k a block loads V x 8 consecutive int8 weights, widens them to
+// cpu_kernels.py). At each k a block loads V x LANES consecutive int8 weights, widens them to
 // float and multiplies them by one broadcast activation per row, so every output has its own
 // accumulator and every load is a sequential stream: one row reads ~19-22 GB/s here, the
 // machine's DRAM bandwidth, and several rows keep the FMA units busy with up to 12
@@ -18,39 +18,34 @@
 // unrolled to constant indices.
 #define UNROLL _Pragma("GCC unroll 16")
 
-static constexpr int64_t TILE = 32;
+static constexpr int64_t TILE = TILE_LANES;
 
-static inline __m256 widen(const int8_t* eight) {
-  return _mm256_cvtepi32_ps(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(eight))));
-}
-
-// V vectors of 8 outputs from n0 (vector v at w + (v / 4) * tile_bytes + (v % 4) * 8, so
-// V = 8 spans two tiles) for MB activation rows from m0.
+// V vectors of LANES outputs from n0 (vector v at w + vec_offset(v, tile_bytes), so
+// V = 2 * VPT spans two tiles) for MB activation rows from m0.
 template <int V, int MB>
 static inline void block(const float* x, const int8_t* w, const float* scale, float* y,
                          int64_t n0, int64_t m0, int64_t K, int64_t N) {
   const int64_t tile_bytes = K * TILE;
-  __m256 acc[MB][V];
+  vfloat acc[MB][V];
   UNROLL for (int j = 0; j < MB; ++j)
-    UNROLL for (int v = 0; v < V; ++v) acc[j][v] = _mm256_setzero_ps();
+    UNROLL for (int v = 0; v < V; ++v) acc[j][v] = vzero();
   for (int64_t k = 0; k < K; ++k) {
-    __m256 xk[MB];
-    UNROLL for (int j = 0; j < MB; ++j) xk[j] = _mm256_broadcast_ss(x + (m0 + j) * K + k);
+    vfloat xk[MB];
+    UNROLL for (int j = 0; j < MB; ++j) xk[j] = vbroadcast(x + (m0 + j) * K + k);
     UNROLL for (int v = 0; v < V; ++v) {
-      const __m256 wv = widen(w + (v / 4) * tile_bytes + k * TILE + (v % 4) * 8);
-      UNROLL for (int j = 0; j < MB; ++j) acc[j][v] = _mm256_fmadd_ps(wv, xk[j], acc[j][v]);
+      const vfloat wv = to_float(widen_i8(w + vec_offset(v, tile_bytes) + k * TILE));
+      UNROLL for (int j = 0; j < MB; ++j) acc[j][v] = vfma(wv, xk[j], acc[j][v]);
     }
   }
   UNROLL for (int j = 0; j < MB; ++j)
     UNROLL for (int v = 0; v < V; ++v) {
-      const int64_t n = n0 + (v / 4) * TILE + (v % 4) * 8;
+      const int64_t n = n0 + vec_offset(v, TILE);
       float* out = y + (m0 + j) * N + n;
-      if (n + 8 <= N) {
-        _mm256_storeu_ps(out, _mm256_mul_ps(acc[j][v], _mm256_loadu_ps(scale + n)));
+      if (n + LANES <= N) {
+        vstoreu(out, vmul(acc[j][v], vloadu(scale + n)));
       } else {  // the padded end of the last tile
-        alignas(32) float sums[8];
-        _mm256_store_ps(sums, acc[j][v]);
+        alignas(64) float sums[LANES];
+        vstore(sums, acc[j][v]);
         for (int64_t i = 0; n + i < N; ++i) out[i] = sums[i] * scale[n + i];
       }
     }
@@ -60,7 +55,8 @@ static inline void block(const float* x, const int8_t* w, const float* scale, fl
 template <int V, int MB>
 static void tile_rows(const float* x, const int8_t* tile, const float* scale, float* y,
                       int64_t n0, int64_t m0, int64_t K, int64_t N) {
-  for (int v0 = 0; v0 < 4; v0 += V) block<V, MB>(x, tile + v0 * 8, scale, y, n0 + v0 * 8, m0, K, N);
+  for (int v0 = 0; v0 < VPT; v0 += V)
+    block<V, MB>(x, tile + v0 * LANES, scale, y, n0 + v0 * LANES, m0, K, N);
 }
 
 void int8_gemm(const float* x, const int8_t* p, const float* scale, float* y, int64_t M,
@@ -68,16 +64,18 @@ void int8_gemm(const float* x, const int8_t* p, const float* scale, float* y, in
   const int64_t tiles = (N + TILE - 1) / TILE, tile_bytes = K * TILE;
   over_tiles(
       M, tiles,
-      [&](int64_t t) { block<8, 1>(x, p + t * tile_bytes, scale, y, t * TILE, 0, K, N); },
-      [&](int64_t t) { block<4, 1>(x, p + t * tile_bytes, scale, y, t * TILE, 0, K, N); },
+      [&](int64_t t) { block<2 * VPT, 1>(x, p + t * tile_bytes, scale, y, t * TILE, 0, K, N); },
+      [&](int64_t t) { block<VPT, 1>(x, p + t * tile_bytes, scale, y, t * TILE, 0, K, N); },
       [&](int64_t t) {  // each tile stays in cache while every group of rows passes over it
         const int8_t* tile = p + t * tile_bytes;
         const int64_t n0 = t * TILE;
         int64_t m = 0;
+        if constexpr (ACCUMULATORS >= 16)
+          for (; M - m >= 8; m += 8) tile_rows<VPT, 8>(x, tile, scale, y, n0, m, K, N);
         for (; M - m >= 4; m += 4) tile_rows<2, 4>(x, tile, scale, y, n0, m, K, N);
-        if (M - m == 3) tile_rows<4, 3>(x, tile, scale, y, n0, m, K, N);
-        if (M - m == 2) tile_rows<4, 2>(x, tile, scale, y, n0, m, K, N);
-        if (M - m == 1) tile_rows<4, 1>(x, tile, scale, y, n0, m, K, N);
+        if (M - m == 3) tile_rows<VPT, 3>(x, tile, scale, y, n0, m, K, N);
+        if (M - m == 2) tile_rows<VPT, 2>(x, tile, scale, y, n0, m, K, N);
+        if (M - m == 1) tile_rows<VPT, 1>(x, tile, scale, y, n0, m, K, N);
       });
 }
 
