@@ -25,6 +25,12 @@ class _SlotState:
         if admit.prompt_ids:
             self.prompt_mask[torch.tensor(admit.prompt_ids, device=device)] = True
         self.counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+        # Greedy without penalties reads nothing but the logits: such rows are picked by one
+        # argmax over the batch, and their counts are never needed.
+        p = admit.params
+        self.plain_greedy = p.temperature <= 0.0 and p.repetition_penalty == 1.0 and not (
+            p.frequency_penalty or p.presence_penalty
+        )
         self.last: int | None = None  # the token sampled last: what a PREVIOUS decode feeds
 
 
@@ -163,8 +169,13 @@ class Engine:
             ids = torch.tensor([self._input(d) for d in step.decodes], device=self.device)
             positions = torch.tensor([d.position for d in step.decodes], device=self.device)
             logits = self.model.logits(self.model.decode(self.cache, slots, ids, positions))
+            plain = [r for r, d in enumerate(step.decodes) if self.slots[d.slot].plain_greedy]
+            picks = dict(zip(plain, logits[plain].argmax(-1).tolist())) if plain else {}
             for row, d in enumerate(step.decodes):
-                tokens[d.slot] = self._sample(d.slot, logits[row], d.position + 1)
+                if row in picks:
+                    tokens[d.slot] = self.slots[d.slot].last = picks[row]
+                else:
+                    tokens[d.slot] = self._sample(d.slot, logits[row], d.position + 1)
         decisions, forwards = {}, bool(generation) + len(pooling) + bool(step.decodes)
         for d in step.decides:
             decisions[d.slot], reads = self._decide(d)
