@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -83,15 +84,31 @@ async def engine_counters(http: httpx.AsyncClient) -> tuple[float, float]:
     return values["mashbox:engine_steps_total"], values["mashbox:engine_busy_seconds_total"]
 
 
-async def run_streams(url: str, n: int, tokens: int) -> dict:
-    samples = []  # (time, engine steps, engine seconds) while the streams run
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of a process so far (its own threads, not its children)."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def client_cpu_seconds() -> float:
+    return sum(os.times()[:2])
+
+
+async def run_streams(url: str, n: int, tokens: int, server_pid: int | None = None) -> dict:
+    # (time, engine steps, engine seconds, server CPU s, this client's CPU s) while they run
+    samples = []
     results = []
 
     async def sample(http):
         while True:
             steps, busy = await engine_counters(http)
-            samples.append((time.perf_counter(), steps, busy))
-            await trio.sleep(1.0)  # a scrape costs the server ~2.5 ms: keep the probe light
+            samples.append(
+                (time.perf_counter(), steps, busy, cpu_seconds(server_pid), client_cpu_seconds())
+            )
+            await trio.sleep(0.25)  # a scrape costs the server ~2.5 ms (~1% of a core)
 
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         async with trio.open_nursery() as nursery:
@@ -103,8 +120,12 @@ async def run_streams(url: str, n: int, tokens: int) -> dict:
     generated = sum(r["usage"]["completion_tokens"] - 1 for r in results)
     # Steady decoding only: after every stream's first token, before the first one ends.
     start, end = max(r["first"] for r in results), min(r["last"] for r in results)
-    window = [x for x in samples if start <= x[0] <= end] or samples
-    (t0, steps0, busy0), (t1, steps1, busy1) = window[0], window[-1]
+    window = [x for x in samples if start <= x[0] <= end]
+    window = window if len(window) >= 2 else samples
+    (t0, steps0, busy0, server0, client0), (t1, steps1, busy1, server1, client1) = (
+        window[0],
+        window[-1],
+    )
     steps, busy = max(steps1 - steps0, 1), busy1 - busy0
     return {
         "per_stream": sum(per_stream) / n,  # server timings: first to last token of each
@@ -113,6 +134,10 @@ async def run_streams(url: str, n: int, tokens: int) -> dict:
         # step and as a share of the engine's own step time.
         "step_ms": busy / steps * 1000,
         "server_ms": (t1 - t0 - busy) / steps * 1000,
+        # CPU time per step of the server process (HTTP, scheduler, detokenize, SSE; not the
+        # engine process) and of this client: on 2 cores both come out of the engine's.
+        "server_cpu_ms": (server1 - server0) / steps * 1000,
+        "client_cpu_ms": (client1 - client0) / steps * 1000,
     }
 
 
@@ -151,7 +176,7 @@ def engine_alone_ms(model: str, decode_weights: str, batches: list[int]) -> dict
     return out
 
 
-async def main_async(args, url: str) -> list[tuple[int, float]]:
+async def main_async(args, url: str, server_pid: int | None = None) -> list[tuple[int, float]]:
     card = httpx.get(url + "/v1/models").json()["data"][0]
     print(f"model {card['id']}  weights {card['weights']}  bpw {card['bpw']}  gb {card['gb']}")
     bw = memory_bandwidth_gbs()
@@ -163,15 +188,21 @@ async def main_async(args, url: str) -> list[tuple[int, float]]:
     print(
         f"{'streams':>7} {'tok/s/stream':>13} {'total tok/s':>12} {'vs 1 stream':>12} "
         f"{'steps/s of limit':>17} {'engine ms/step':>15} {'server ms/step':>15}"
+        + (f" {'server CPU ms/step':>19} {'client CPU ms/step':>19}" if server_pid else "")
     )
     base, api_steps = None, []
     for n in args.streams:
-        r = await run_streams(url, n, args.tokens)
+        r = await run_streams(url, n, args.tokens, server_pid)
         base = base or r["total_wall"]
+        cpu = ""
+        if server_pid:
+            share = r["server_cpu_ms"] / r["step_ms"]
+            cpu = f" {r['server_cpu_ms']:>12.2f} ({share:.0%}) {r['client_cpu_ms']:>19.2f}"
         print(
             f"{n:>7} {r['per_stream']:>13.1f} {r['total_wall']:>12.1f} "
             f"{r['total_wall'] / base:>11.2f}x {r['per_stream'] / limit:>16.0%} "
             f"{r['step_ms']:>15.1f} {r['server_ms']:>9.1f} ({r['server_ms'] / r['step_ms']:.0%})"
+            + cpu
         )
         api_steps.append((n, r["step_ms"] + r["server_ms"]))
     return api_steps
@@ -201,7 +232,7 @@ def main() -> None:
     proc = ServerProcess(args.model, "--slots", str(slots), "--ctx", "1024", *extra)
     try:
         url = proc.wait_ready(900)
-        api_steps = trio.run(main_async, args, url)
+        api_steps = trio.run(main_async, args, url, proc.proc.pid)
     finally:
         proc.stop()
     if args.no_engine_alone:
