@@ -13,7 +13,7 @@ from . import cpu_kernels, int4
 from . import graph_decode as graph_decode_mod
 from . import weights as weights_mod
 from .model import KVCache, Model
-from .sampling import apply_penalties, sample
+from .sampling import apply_penalties, greedy, sample
 
 
 class _SlotState:
@@ -170,7 +170,8 @@ class Engine:
             positions = torch.tensor([d.position for d in step.decodes], device=self.device)
             logits = self.model.logits(self.model.decode(self.cache, slots, ids, positions))
             plain = [r for r, d in enumerate(step.decodes) if self.slots[d.slot].plain_greedy]
-            picks = dict(zip(plain, logits[plain].argmax(-1).tolist())) if plain else {}
+            rows = logits if len(plain) == len(step.decodes) else logits[plain]
+            picks = dict(zip(plain, greedy(rows), strict=True)) if plain else {}
             for row, d in enumerate(step.decodes):
                 if row in picks:
                     tokens[d.slot] = self.slots[d.slot].last = picks[row]

@@ -58,10 +58,18 @@ def apply_penalties(
     return logits
 
 
+def greedy(logits: Tensor) -> list[int]:
+    """The first largest logit's index of each row of [rows, V]. On the CPU through numpy:
+    torch's argmax takes ~130 us for one 49k row here, numpy's 7."""
+    if logits.device.type == "cpu":
+        return logits.numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def sample(logits: Tensor, params: SamplingParams, position: int) -> int:
     """Pick one token from float32 logits [V] (penalties already applied)."""
     if params.temperature <= 0.0:
-        return int(torch.argmax(logits))
+        return greedy(logits[None])[0]
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[0]:
         kth = torch.topk(logits, params.top_k).values[-1]
