@@ -28,8 +28,10 @@ class _SlotState:
         # Greedy without penalties reads nothing but the logits: such rows are picked by one
         # argmax over the batch, and their counts are never needed.
         p = admit.params
-        self.plain_greedy = p.temperature <= 0.0 and p.repetition_penalty == 1.0 and not (
-            p.frequency_penalty or p.presence_penalty
+        self.plain_greedy = (
+            p.temperature <= 0.0
+            and p.repetition_penalty == 1.0
+            and not (p.frequency_penalty or p.presence_penalty)
         )
         self.last: int | None = None  # the token sampled last: what a PREVIOUS decode feeds
 
