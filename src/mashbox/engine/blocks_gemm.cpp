@@ -34,9 +34,11 @@ static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs
   const int64_t blocks = K / BLOCK, tile_qs = K / 2 * TILE, tile_dm = blocks * 2 * TILE;
   alignas(64) float out[MB][V * LANES] = {};
   for (int64_t b = 0; b < blocks; ++b) {
-    vfloat in[MB][V];
+    // The block's even and odd weights in separate sums (two FMA chains a vector instead of
+    // one), added at the block's end: the same order for every MB.
+    vfloat even[MB][V], odd[MB][V];
     UNROLL for (int j = 0; j < MB; ++j)
-      UNROLL for (int v = 0; v < V; ++v) in[j][v] = vzero();
+      UNROLL for (int v = 0; v < V; ++v) even[j][v] = odd[j][v] = vzero();
     for (int64_t kp = 0; kp < BLOCK / 2; ++kp) {
       const int64_t k = b * BLOCK + 2 * kp;
       // Weights k and k + 1 of V vectors, widened once for all MB rows. (The same sums in
@@ -47,8 +49,8 @@ static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs
         const vfloat x0 = vbroadcast(x + m0 * K + k), x1 = vbroadcast(x + m0 * K + k + 1);
         UNROLL for (int v = 0; v < V; ++v) {
           const vint q = pairs(v);
-          in[0][v] = vfma(low_nibble_float(q), x0, in[0][v]);
-          in[0][v] = vfma(high_nibble_float(q), x1, in[0][v]);
+          even[0][v] = vfma(low_nibble_float(q), x0, even[0][v]);
+          odd[0][v] = vfma(high_nibble_float(q), x1, odd[0][v]);
         }
       } else {
         vfloat w0[V], w1[V];
@@ -59,12 +61,15 @@ static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs
         }
         UNROLL for (int j = 0; j < MB; ++j) {
           const vfloat x0 = vbroadcast(x + (m0 + j) * K + k);
-          UNROLL for (int v = 0; v < V; ++v) in[j][v] = vfma(w0[v], x0, in[j][v]);
+          UNROLL for (int v = 0; v < V; ++v) even[j][v] = vfma(w0[v], x0, even[j][v]);
           const vfloat x1 = vbroadcast(x + (m0 + j) * K + k + 1);
-          UNROLL for (int v = 0; v < V; ++v) in[j][v] = vfma(w1[v], x1, in[j][v]);
+          UNROLL for (int v = 0; v < V; ++v) odd[j][v] = vfma(w1[v], x1, odd[j][v]);
         }
       }
     }
+    vfloat in[MB][V];
+    UNROLL for (int j = 0; j < MB; ++j)
+      UNROLL for (int v = 0; v < V; ++v) in[j][v] = vadd(even[j][v], odd[j][v]);
     UNROLL for (int v = 0; v < V; ++v) {
       const uint16_t* s = dm + vec_offset(v, tile_dm) + b * 2 * TILE;
       const vfloat d = from_half(s), m = from_half(s + TILE);
@@ -103,7 +108,10 @@ void q4_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, in
         const uint16_t* s = dm + t * tile_dm;
         int64_t m = 0;
         if constexpr (ACCUMULATORS >= 16)  // 8 rows x a whole tile: weights widened once
-          for (; M - m >= 8; m += 8) q4_block<VPT, 8>(x, xs, q, s, y, t * TILE, m, K, N);
+          for (; M - m >= 8; m += 8)
+            for (int v0 = 0; v0 < VPT; ++v0)
+              q4_block<1, 8>(x, xs, q + v0 * LANES, s + v0 * LANES, y, t * TILE + v0 * LANES, m,
+                             K, N);
         for (; M - m >= 4; m += 4)
           for (int v0 = 0; v0 < VPT; v0 += 2)
             q4_block<2, 4>(x, xs, q + v0 * LANES, s + v0 * LANES, y, t * TILE + v0 * LANES, m,

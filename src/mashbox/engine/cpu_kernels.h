@@ -19,6 +19,7 @@ static inline vfloat vzero() { return _mm512_setzero_ps(); }
 static inline vfloat vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 static inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+static inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
 static inline vfloat vload(const float* p) { return _mm512_load_ps(p); }  // 64-byte aligned
 static inline vfloat vloadu(const float* p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float* p, vfloat v) { _mm512_store_ps(p, v); }
@@ -52,6 +53,7 @@ static inline vfloat vzero() { return _mm256_setzero_ps(); }
 static inline vfloat vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 static inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+static inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
 static inline vfloat vload(const float* p) { return _mm256_load_ps(p); }  // 32-byte aligned
 static inline vfloat vloadu(const float* p) { return _mm256_loadu_ps(p); }
 static inline void vstore(float* p, vfloat v) { _mm256_store_ps(p, v); }
