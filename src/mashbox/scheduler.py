@@ -243,7 +243,8 @@ class Scheduler:
         self.slots = [Slot(i) for i in range(slots)]
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.draining: list[Sequence] = []  # finished, events not yet taken by the handler
-        self.worker = worker  # a started Supervisor: `ready`, `await step()`, `await restart()`
+        # A started Supervisor: `ready`, `send(step)`, `await receive()`, `await restart()`.
+        self.worker = worker
         self._wakeup = trio.Event()
         self._sent: collections.deque[Sent] = collections.deque()  # oldest first, at most 2
         self._uses = 0

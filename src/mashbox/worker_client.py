@@ -95,7 +95,7 @@ log = logging.getLogger("mashbox")
 class Supervisor:
     """Keeps one engine process running: a fault or a step past its deadline gets a fresh one.
 
-    The scheduler is its only caller: `step` raises WorkerError, then the scheduler decides
+    The scheduler is its only caller: `receive` raises WorkerError, then the scheduler decides
     what happens to each request and calls `restart`.
     """
 
@@ -133,11 +133,6 @@ class Supervisor:
             self._compiles_seen = result.compiles
             return result
         raise WorkerError(f"an engine step took longer than {self.step_timeout:g} s")
-
-    async def step(self, step: Step) -> StepResult:
-        """Send one step and wait for its result (nothing else in flight)."""
-        self.send(step)
-        return await self.receive()
 
     async def restart(self) -> None:
         """Replace the worker; keep trying (health says loading meanwhile)."""
