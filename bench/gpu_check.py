@@ -50,9 +50,8 @@ from mashbox.engine.config import ModelConfig  # noqa: E402
 from mashbox.engine.engine import Engine, compiles_so_far  # noqa: E402
 from mashbox.engine.graph_decode import GraphDecoder, reads_in_place  # noqa: E402
 from mashbox.engine.model import KVCache, Model  # noqa: E402
-from mashbox.protocol import Admit, Decode, Prefill, SamplingParams, Step  # noqa: E402
 
-from tinymodels import random_weights, write_gguf  # noqa: E402
+from tinymodels import greedy_tokens, no_tokenizer, random_weights, write_gguf  # noqa: E402
 
 BANDWIDTH = 4.8e12  # bytes/s: the H200's HBM3e, by its datasheet
 LLAMA3_8B = ModelConfig(
@@ -67,27 +66,6 @@ TINY_VOCAB = 97
 
 
 # 1. Correctness ---------------------------------------------------------------------------
-
-
-def greedy(engine: Engine, prompts: list[tuple[int, ...]], n: int) -> list[list[int]]:
-    """n greedy tokens for each prompt, all prompts decoded as one batch."""
-    params = SamplingParams()
-    first = engine.step(
-        Step(
-            admits=tuple(Admit(s, params, p) for s, p in enumerate(prompts)),
-            prefills=tuple(Prefill(s, 0, p, True) for s, p in enumerate(prompts)),
-        )
-    )
-    seqs = [[first.tokens[s]] for s in range(len(prompts))]
-    for _ in range(n - 1):
-        decodes = tuple(
-            Decode(s, seq[-1], len(p) + len(seq) - 1)
-            for s, (p, seq) in enumerate(zip(prompts, seqs, strict=True))
-        )
-        tokens = engine.step(Step(decodes=decodes)).tokens
-        for s, seq in enumerate(seqs):
-            seq.append(tokens[s])
-    return seqs
 
 
 @torch.inference_mode()
@@ -107,7 +85,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> int:
 
 def correctness(device: str, workdir: Path, n_tokens: int = 32) -> dict:
     weights = random_weights(vocab=TINY_VOCAB, seed=7)
-    path = write_gguf(workdir / "tiny.gguf", weights, lambda w: w.add_tokenizer_model("gpt2"))
+    path = write_gguf(workdir / "tiny.gguf", weights, no_tokenizer)
     # The long prompt crosses the L=256 context bucket while decoding; 3 rows pad to B=4.
     prompts = [(4, 8, 15, 16, 23, 42), tuple(i % TINY_VOCAB for i in range(240)), (9, 8, 7)]
     engines = {
@@ -115,7 +93,7 @@ def correctness(device: str, workdir: Path, n_tokens: int = 32) -> dict:
         f"{device}-eager": Engine(path, slots=4, ctx=512, device=device, graph_decode=False),
         f"{device}-graph": Engine(path, slots=4, ctx=512, device=device, graph_decode=True),
     }
-    tokens = {name: greedy(e, prompts, n_tokens) for name, e in engines.items()}
+    tokens = {name: greedy_tokens(e, prompts, n_tokens) for name, e in engines.items()}
     first = [seq[0] for seq in tokens["cpu-float32"]]
     logits = {name: first_decode_logits(e, prompts, first) for name, e in engines.items()}
     total = len(prompts) * n_tokens

@@ -12,7 +12,7 @@ from mashbox.engine import cpu_kernels
 from mashbox.engine.engine import Engine
 from mashbox.engine.int4 import Int4Weight, Q8Weight
 
-from tinymodels import random_weights, write_gguf
+from tinymodels import no_tokenizer, random_weights, write_gguf
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2 or no compiler")
 
@@ -47,7 +47,7 @@ def engine(request, tmp_path_factory):
             for name in ("attn_q_norm.weight", "attn_k_norm.weight"):
                 w[f"blk.{i}.{name}"] = (1 + 0.1 * rng.standard_normal(16)).astype(np.float32)
     path = write_gguf(
-        tmp_path_factory.mktemp(arch) / "m.gguf", w, lambda wr: wr.add_tokenizer_model("gpt2"),
+        tmp_path_factory.mktemp(arch) / "m.gguf", w, no_tokenizer,
         arch=arch, qtype_of=lambda name: None if name.endswith("norm.weight") else qtype,
     )  # fmt: skip
     engine = Engine(path, slots=4, ctx=64, decode_weights=kind.removesuffix("-q8"))

@@ -14,13 +14,9 @@ from mashbox.engine.engine import Engine
 from mashbox.engine.sampling import apply_penalties, sample, uniforms
 from mashbox.protocol import Admit, Branch, Decide, Decode, Prefill, SamplingParams, Step
 
-from tinymodels import random_weights, write_gguf
+from tinymodels import no_tokenizer, random_weights, write_gguf
 
 VOCAB = 97
-
-
-def no_tokenizer(writer):
-    writer.add_tokenizer_model("gpt2")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

@@ -14,17 +14,12 @@ import torch
 from mashbox.engine import graph_decode
 from mashbox.engine.engine import Engine, compiles_so_far
 from mashbox.engine.graph_decode import GraphDecoder, batch_buckets, context_buckets
-from mashbox.protocol import Admit, Decode, Prefill, SamplingParams, Step
 
-from tinymodels import random_weights, write_gguf
+from tinymodels import greedy_tokens, no_tokenizer, random_weights, write_gguf
 
 VOCAB = 97
 SLOTS, CTX = 6, 320  # buckets B 1, 2, 4, 8 (the cache's 7th slot is scratch) and L 256, 320
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def no_tokenizer(writer):
-    writer.add_tokenizer_model("gpt2")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -79,26 +74,6 @@ def test_both_attention_layouts_are_exercised():
     """A cache of 7 slots: buckets 1 and 2 gather their rows, 4 and 8 read in place."""
     in_place = [graph_decode.reads_in_place(b, SLOTS + 1) for b in (1, 2, 4, 8)]
     assert in_place == [False, False, True, True]
-
-
-def greedy_tokens(engine: Engine, prompts: list[tuple[int, ...]], n: int) -> list[list[int]]:
-    greedy = SamplingParams()
-    first = engine.step(
-        Step(
-            admits=tuple(Admit(s, greedy, p) for s, p in enumerate(prompts)),
-            prefills=tuple(Prefill(s, 0, p, True) for s, p in enumerate(prompts)),
-        )
-    )
-    seqs = [[first.tokens[s]] for s in range(len(prompts))]
-    for _ in range(n - 1):
-        decodes = tuple(
-            Decode(s, seq[-1], len(p) + len(seq) - 1)
-            for s, (p, seq) in enumerate(zip(prompts, seqs, strict=True))
-        )
-        result = engine.step(Step(decodes=decodes))
-        for s, seq in enumerate(seqs):
-            seq.append(result.tokens[s])
-    return seqs
 
 
 def test_greedy_generation_through_the_engine_is_unchanged(tiny):

@@ -13,7 +13,7 @@ from mashbox.engine.engine import Engine
 from mashbox.engine.int4 import EXACT_QTYPES, INT4_MAX_ROWS, Int4Weight, unpack
 from mashbox.engine.model import DECODE_MATRICES, Int8Weight
 
-from tinymodels import random_weights, write_gguf
+from tinymodels import no_tokenizer, random_weights, write_gguf
 
 Q = gguf.GGMLQuantizationType
 EPS = 2.0**-8  # bf16 rounding: 8 significant bits, half an ulp of relative error
@@ -23,10 +23,6 @@ REAL = (
     / registry.known_models()[registry.DEFAULT_MODEL]["filename"]
 )
 needs_real = pytest.mark.skipif(not REAL.is_file(), reason="the default model is not downloaded")
-
-
-def no_tokenizer(writer):
-    writer.add_tokenizer_model("gpt2")
 
 
 def tiny_gguf(path, qtype_of, vocab=96):

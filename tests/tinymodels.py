@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 
 from mashbox.engine.weights import permute_rope_rows
+from mashbox.protocol import Admit, Decode, Prefill, SamplingParams, Step
 
 
 def random_weights(
@@ -187,3 +188,30 @@ def write_hf_folder(folder: Path, weights: dict[str, np.ndarray], tok, *, n_head
         )
     )
     return folder
+
+
+def no_tokenizer(writer) -> None:
+    """For write_gguf: models read by the engine only, with no vocabulary of their own."""
+    writer.add_tokenizer_model("gpt2")
+
+
+def greedy_tokens(engine, prompts: list[tuple[int, ...]], n: int) -> list[list[int]]:
+    """n greedy tokens for each prompt (prompt i in slot i), all decoded as one batch, each
+    step planned after the one before."""
+    params = SamplingParams()
+    first = engine.step(
+        Step(
+            admits=tuple(Admit(s, params, p) for s, p in enumerate(prompts)),
+            prefills=tuple(Prefill(s, 0, p, True) for s, p in enumerate(prompts)),
+        )
+    )
+    seqs = [[first.tokens[s]] for s in range(len(prompts))]
+    for _ in range(n - 1):
+        decodes = tuple(
+            Decode(s, seq[-1], len(p) + len(seq) - 1)
+            for s, (p, seq) in enumerate(zip(prompts, seqs, strict=True))
+        )
+        tokens = engine.step(Step(decodes=decodes)).tokens
+        for s, seq in enumerate(seqs):
+            seq.append(tokens[s])
+    return seqs
