@@ -51,7 +51,7 @@ from mashbox.engine.engine import Engine, compiles_so_far  # noqa: E402
 from mashbox.engine.graph_decode import GraphDecoder, reads_in_place  # noqa: E402
 from mashbox.engine.model import KVCache, Model  # noqa: E402
 
-from tinymodels import greedy_tokens, no_tokenizer, random_weights, write_gguf  # noqa: E402
+from tinymodels import no_tokenizer, random_weights, step_by_step, write_gguf  # noqa: E402
 
 BANDWIDTH = 4.8e12  # bytes/s: the H200's HBM3e, by its datasheet
 LLAMA3_8B = ModelConfig(
@@ -93,7 +93,7 @@ def correctness(device: str, workdir: Path, n_tokens: int = 32) -> dict:
         f"{device}-eager": Engine(path, slots=4, ctx=512, device=device, graph_decode=False),
         f"{device}-graph": Engine(path, slots=4, ctx=512, device=device, graph_decode=True),
     }
-    tokens = {name: greedy_tokens(e, prompts, n_tokens) for name, e in engines.items()}
+    tokens = {name: step_by_step(e, prompts, n_tokens) for name, e in engines.items()}
     first = [seq[0] for seq in tokens["cpu-float32"]]
     logits = {name: first_decode_logits(e, prompts, first) for name, e in engines.items()}
     total = len(prompts) * n_tokens

@@ -15,7 +15,7 @@ from mashbox.engine import graph_decode
 from mashbox.engine.engine import Engine, compiles_so_far
 from mashbox.engine.graph_decode import GraphDecoder, batch_buckets, context_buckets
 
-from tinymodels import greedy_tokens, no_tokenizer, random_weights, write_gguf
+from tinymodels import no_tokenizer, random_weights, step_by_step, write_gguf
 
 VOCAB = 97
 SLOTS, CTX = 6, 320  # buckets B 1, 2, 4, 8 (the cache's 7th slot is scratch) and L 256, 320
@@ -80,7 +80,7 @@ def test_greedy_generation_through_the_engine_is_unchanged(tiny):
     # 3 rows (bucket 4); the long one crosses L=256 while decoding.
     prompts = [(4, 8, 15, 16, 23, 42), (9, 8, 7), tuple(i % VOCAB for i in range(248))]
     ref, fixed = engines(tiny)
-    assert greedy_tokens(fixed, prompts, 16) == greedy_tokens(ref, prompts, 16)
+    assert step_by_step(fixed, prompts, 16) == step_by_step(ref, prompts, 16)
 
 
 def test_buckets():
@@ -149,7 +149,7 @@ def test_captured_graphs_are_counted_checked_and_replayed(tiny, fake_capture):
     assert not fixed.cache.k[:, :SLOTS].any() and not fixed.cache.v[:, :SLOTS].any()
     fixed.model.graph_decoder = decoder
     prompts = [(4, 8, 15, 16, 23, 42), (9, 8, 7), tuple(i % VOCAB for i in range(248))]
-    assert greedy_tokens(fixed, prompts, 16) == greedy_tokens(ref, prompts, 16)
+    assert step_by_step(fixed, prompts, 16) == step_by_step(ref, prompts, 16)
 
 
 def test_a_replay_that_differs_from_eager_turns_graphs_off(tiny, fake_capture, caplog):

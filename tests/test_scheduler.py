@@ -18,6 +18,8 @@ from mashbox.scheduler import (
 )
 from mashbox.text.tokenizer import Tokenizer
 
+from tinymodels import step_by_step
+
 
 class InProcessEngine:
     """The Supervisor's interface over an engine running in this process."""
@@ -134,12 +136,7 @@ def test_queue_limits_per_tenant_and_in_all(parts):
 
 def alone(engine: Engine, prompt, params: SamplingParams, n: int) -> list[int]:
     """n tokens of one sequence, each step planned after the one before (the reference)."""
-    step = Step(admits=(Admit(0, params, prompt),), prefills=(Prefill(0, 0, prompt, True),))
-    out = [engine.step(step).tokens[0]]
-    while len(out) < n:
-        decode = Decode(0, out[-1], len(prompt) + len(out) - 1)
-        out.append(engine.step(Step(decodes=(decode,))).tokens[0])
-    return out
+    return step_by_step(engine, [prompt], n, params)[0]
 
 
 def test_a_decode_that_feeds_back_the_previous_sample_equals_one_that_names_it(parts, tiny_llama):

@@ -195,10 +195,12 @@ def no_tokenizer(writer) -> None:
     writer.add_tokenizer_model("gpt2")
 
 
-def greedy_tokens(engine, prompts: list[tuple[int, ...]], n: int) -> list[list[int]]:
-    """n greedy tokens for each prompt (prompt i in slot i), all decoded as one batch, each
-    step planned after the one before."""
-    params = SamplingParams()
+def step_by_step(
+    engine, prompts: list[tuple[int, ...]], n: int, params: SamplingParams | None = None
+) -> list[list[int]]:
+    """n tokens for each prompt (prompt i in slot i; greedy unless `params` say otherwise),
+    all decoded as one batch, each step planned after the one before's result."""
+    params = params or SamplingParams()
     first = engine.step(
         Step(
             admits=tuple(Admit(s, params, p) for s, p in enumerate(prompts)),
