@@ -169,8 +169,7 @@ def engine_alone_ms(model: str, decode_weights: str, batches: list[int]) -> dict
     engine = step_profile.prepare(path, decode_weights, max(batches))
     position, out = len(step_profile.PROMPT), {}
     for batch in batches:
-        step_profile.decode_step(engine, batch, position)  # warm-up
-        times = [step_profile.decode_step(engine, batch, position + 1 + i) for i in range(20)]
+        times = step_profile.time_steps(engine, batch, position, 20)
         position += 21
         out[batch] = statistics.median(times) * 1e3
     return out

@@ -46,6 +46,13 @@ def decode_step(engine: Engine, batch: int, position: int) -> float:
     return engine.step(step).elapsed_s
 
 
+def time_steps(engine: Engine, batch: int, position: int, steps: int) -> list[float]:
+    """Seconds of `steps` decode steps at batch size `batch` from `position` on, after one
+    warm-up step; the next free position is position + steps + 1."""
+    decode_step(engine, batch, position)
+    return [decode_step(engine, batch, position + 1 + i) for i in range(steps)]
+
+
 def best_ms(fn, repeats: int = 10) -> float:
     times = []
     for _ in range(repeats):
@@ -107,8 +114,7 @@ def main() -> None:
         print(f"{kind}: loaded and prefilled in {time.perf_counter() - t0:.1f} s")
         position = len(PROMPT)
         for batch in args.batches:
-            decode_step(engine, batch, position)  # warm-up
-            times = [decode_step(engine, batch, position + 1 + i) for i in range(args.steps)]
+            times = time_steps(engine, batch, position, args.steps)
             position += args.steps + 1
             print(
                 f"  batch {batch}: step min {min(times) * 1e3:.1f} ms, "
