@@ -31,8 +31,6 @@ static inline vint widen_i8(const int8_t* p) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 static inline vfloat to_float(vint q) { return _mm512_cvtepi32_ps(q); }
-static inline vint low_nibble(vint q) { return _mm512_and_si512(q, _mm512_set1_epi32(0x0F)); }
-static inline vint high_nibble(vint q) { return _mm512_srli_epi32(q, 4); }
 static inline vfloat from_half(const uint16_t* p) {  // LANES fp16 values
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -65,13 +63,13 @@ static inline vint widen_i8(const int8_t* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 static inline vfloat to_float(vint q) { return _mm256_cvtepi32_ps(q); }
-static inline vint low_nibble(vint q) { return _mm256_and_si256(q, _mm256_set1_epi32(0x0F)); }
-static inline vint high_nibble(vint q) { return _mm256_srli_epi32(q, 4); }
 static inline vfloat from_half(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-static inline vfloat low_nibble_float(vint q) { return to_float(low_nibble(q)); }
-static inline vfloat high_nibble_float(vint q) { return to_float(high_nibble(q)); }
+static inline vfloat low_nibble_float(vint q) {
+  return to_float(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)));
+}
+static inline vfloat high_nibble_float(vint q) { return to_float(_mm256_srli_epi32(q, 4)); }
 #endif
 constexpr int TILE_LANES = 32;            // outputs per packed tile (cpu_kernels.TILE)
 constexpr int VPT = TILE_LANES / LANES;  // vectors per tile: 4 (AVX2) or 2 (AVX-512)
