@@ -32,7 +32,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 
-async def one_stream(url: str, tokens: int, seed: int, extra: dict | None = None) -> dict:
+class SteadyWindow:
+    """Marks steady decoding: every stream has its first token, and none is near its end.
+
+    The bench reads the server's counters only at these two edges: a /metrics scrape costs
+    the server ~2.5 ms, so sampling through the run would bill the bench to the server."""
+
+    def __init__(self, streams: int, tokens: int):
+        self.waiting_for_first = streams
+        self.end_piece = max(tokens - 8, 2)  # a stream's content chunk that ends the window
+        self.started = trio.Event()
+        self.ending = trio.Event()
+
+    def piece(self, count: int) -> None:
+        """A stream received its count-th content chunk."""
+        if count == 1:
+            self.waiting_for_first -= 1
+            if self.waiting_for_first == 0:
+                self.started.set()
+        if count >= self.end_piece and self.started.is_set():
+            self.ending.set()
+
+
+async def one_stream(
+    url: str, tokens: int, seed: int, extra: dict | None = None, window: SteadyWindow | None = None
+) -> dict:
     body = {
         "messages": [{"role": "user", "content": f"{PROMPT} ({seed})"}],
         "max_tokens": tokens,
@@ -55,17 +79,21 @@ async def one_stream(url: str, tokens: int, seed: int, extra: dict | None = None
                     first = first or now
                     last = now
                     pieces += 1
+                    if window:
+                        window.piece(pieces)
                 if event.get("usage"):
                     usage, timings = event["usage"], event["timings"]
     return {"first": first, "last": last, "usage": usage, "timings": timings, "pieces": pieces}
 
 
-async def gather_streams(url: str, n: int, tokens: int, extra: dict | None = None) -> list[dict]:
+async def gather_streams(
+    url: str, n: int, tokens: int, extra: dict | None = None, window: SteadyWindow | None = None
+) -> list[dict]:
     """Run n streams at once; one_stream's result for each."""
     results = []
 
     async def worker(i):
-        results.append(await one_stream(url, tokens, i, extra))
+        results.append(await one_stream(url, tokens, i, extra, window))
 
     async with trio.open_nursery() as nursery:
         for i in range(n):
@@ -98,35 +126,29 @@ def client_cpu_seconds() -> float:
 
 
 async def run_streams(url: str, n: int, tokens: int, server_pid: int | None = None) -> dict:
-    # (time, engine steps, engine seconds, server CPU s, this client's CPU s) while they run
-    samples = []
-    results = []
+    window = SteadyWindow(n, tokens)
+    edges = []  # (time, engine steps, engine seconds, server CPU s, this client's CPU s)
 
     async def sample(http):
-        while True:
-            steps, busy = await engine_counters(http)
-            samples.append(
-                (time.perf_counter(), steps, busy, cpu_seconds(server_pid), client_cpu_seconds())
-            )
-            await trio.sleep(0.25)  # a scrape costs the server ~2.5 ms (~1% of a core)
+        await window.started.wait()
+        steps, busy = await engine_counters(http)  # its own CPU falls before the window
+        edges.append(
+            (time.perf_counter(), steps, busy, cpu_seconds(server_pid), client_cpu_seconds())
+        )
+        await window.ending.wait()
+        t, server, client = time.perf_counter(), cpu_seconds(server_pid), client_cpu_seconds()
+        steps, busy = await engine_counters(http)  # and this one's after it
+        edges.append((t, steps, busy, server, client))
 
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sample, http)
-            results = await gather_streams(url, n, tokens)
-            nursery.cancel_scope.cancel()
+            results = await gather_streams(url, n, tokens, window=window)
+    (t0, steps0, busy0, server0, client0), (t1, steps1, busy1, server1, client1) = edges
+    steps, busy = max(steps1 - steps0, 1), busy1 - busy0
     per_stream = [r["timings"]["predicted_per_second"] for r in results]
     wall = max(r["last"] for r in results) - min(r["first"] for r in results)
     generated = sum(r["usage"]["completion_tokens"] - 1 for r in results)
-    # Steady decoding only: after every stream's first token, before the first one ends.
-    start, end = max(r["first"] for r in results), min(r["last"] for r in results)
-    window = [x for x in samples if start <= x[0] <= end]
-    window = window if len(window) >= 2 else samples
-    (t0, steps0, busy0, server0, client0), (t1, steps1, busy1, server1, client1) = (
-        window[0],
-        window[-1],
-    )
-    steps, busy = max(steps1 - steps0, 1), busy1 - busy0
     return {
         "per_stream": sum(per_stream) / n,  # server timings: first to last token of each
         "total_wall": generated / wall,  # client clock: every token after each first one

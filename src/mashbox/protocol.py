@@ -9,7 +9,20 @@ from __future__ import annotations
 import attrs
 
 
-@attrs.frozen
+def message(cls):
+    """A frozen attrs class that pickles as (class, field values): half the bytes and the
+    time of attrs' own per-field state, for a pipe that carries a step every few ms."""
+    cls = attrs.frozen(cls)
+    names = tuple(a.name for a in attrs.fields(cls))
+
+    def __reduce__(self):
+        return cls, tuple(getattr(self, name) for name in names)
+
+    cls.__reduce__ = __reduce__
+    return cls
+
+
+@message
 class SamplingParams:
     """How to pick each new token; temperature 0 is greedy."""
 
@@ -23,7 +36,7 @@ class SamplingParams:
     seed: int = 0
 
 
-@attrs.frozen
+@message
 class Admit:
     """Start a new sequence in `slot`: reset its sampling state (penalties see the prompt)."""
 
@@ -32,7 +45,7 @@ class Admit:
     prompt_ids: tuple[int, ...]
 
 
-@attrs.frozen
+@message
 class Prefill:
     """Write KV for `token_ids` at positions start.. of `slot`; sample after the last if asked."""
 
@@ -48,7 +61,7 @@ class Prefill:
 PREVIOUS = -1
 
 
-@attrs.frozen
+@message
 class Decode:
     """Feed one token at `position` of `slot` and sample the next; token_id may be PREVIOUS."""
 
@@ -57,7 +70,7 @@ class Decode:
     position: int
 
 
-@attrs.frozen
+@message
 class Save:
     """Copy the KV of positions 0..n-1 of `slot` to host memory as prompt-cache `entry`."""
 
@@ -66,7 +79,7 @@ class Save:
     n: int
 
 
-@attrs.frozen
+@message
 class Restore:
     """Copy the first `n` positions of prompt-cache `entry` back into `slot`."""
 
@@ -75,7 +88,7 @@ class Restore:
     n: int
 
 
-@attrs.frozen
+@message
 class Branch:
     """Tokens read after a slot's prefix and never written to it (a typed decision's question).
 
@@ -89,7 +102,7 @@ class Branch:
     leaves: tuple[int, ...] = ()
 
 
-@attrs.frozen
+@message
 class Decide:
     """Read `branches` after the first `prefix` positions of `slot` (filled by now)."""
 
@@ -98,7 +111,7 @@ class Decide:
     branches: tuple[Branch, ...]
 
 
-@attrs.frozen
+@message
 class Step:
     """One engine step: cache moves, admissions, prefill chunks, then one batched decode."""
 
@@ -112,7 +125,7 @@ class Step:
     decides: tuple[Decide, ...] = ()  # run after the prefills that fill their prefixes
 
 
-@attrs.frozen
+@message
 class StepResult:
     """The token sampled for each slot that asked for one, and the step's device time."""
 
@@ -126,7 +139,7 @@ class StepResult:
     compiles: int = 0  # programs the engine process has compiled so far, this step included
 
 
-@attrs.frozen
+@message
 class EngineInfo:
     """What the loaded engine tells the server once it is ready."""
 
@@ -146,12 +159,12 @@ class EngineInfo:
     compiles: int = 0  # programs compiled just in time so far (engine.compiles_so_far)
 
 
-@attrs.frozen
+@message
 class Shutdown:
     """Ask the worker process to exit."""
 
 
-@attrs.frozen
+@message
 class WorkerFailed:
     """The worker could not load or run a step; `message` is safe to log."""
 

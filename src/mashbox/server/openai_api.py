@@ -200,6 +200,23 @@ def sse(obj) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+class OneFieldEvent:
+    """A stream's per-token event, rendered once with one string field left open.
+
+    json.dumps of the whole event for every token is a measurable share of the server's
+    time per token; only the text changes."""
+
+    _OPEN = "\x00open\x00"
+
+    def __init__(self, render):
+        """render(text) -> the event's bytes (by `sse`), text being its last string."""
+        self.head, _, self.tail = render(self._OPEN).rpartition(json.dumps(self._OPEN).encode())
+        assert self("probe") == render("probe")
+
+    def __call__(self, text: str) -> bytes:
+        return self.head + json.dumps(text, ensure_ascii=False).encode() + self.tail
+
+
 def event_stream(chunks) -> Response:
     response = Response(chunks, mimetype="text/event-stream")
     response.headers["Cache-Control"] = "no-cache"
@@ -292,6 +309,8 @@ async def chat_completions(state: ServerState, data, headers, tenant: str = ""):
             }
         )
 
+    content_chunk = OneFieldEvent(lambda text: chunk({"content": text}))
+
     async def chunks():
         n_calls = 0
         try:
@@ -325,7 +344,7 @@ async def chat_completions(state: ServerState, data, headers, tenant: str = ""):
                         log_request(route, event.status, None, session, t0)
                         return
                     elif not isinstance(event, Restarted):  # Content or InvalidToolCall
-                        yield chunk({"content": event.text})
+                        yield content_chunk(event.text)
             yield stream_error(rid, "the request was dropped before it finished")
         finally:
             state.scheduler.cancel(seq)
@@ -382,12 +401,14 @@ async def completions(state: ServerState, data, headers, tenant: str = ""):
     def choice(text: str, finish=None) -> dict:
         return {"index": 0, "text": text, "finish_reason": finish}
 
+    text_chunk = OneFieldEvent(lambda text: sse({**base, "choices": [choice(text)]}))
+
     async def chunks():
         try:
             async with events:
                 async for event in events:
                     if isinstance(event, TextDelta):
-                        yield sse({**base, "choices": [choice(event.text)]})
+                        yield text_chunk(event.text)
                     elif isinstance(event, Finished):
                         timings = attrs.asdict(event.timings)
                         yield sse(
