@@ -5,10 +5,11 @@ streaming chat requests with ignore_eos so each stream decodes exactly --tokens 
 prints per-stream and total decode speed next to the machine's decode limit: memory
 bandwidth (measured here with a large tensor copy) over the bytes each step must read.
 Also the engine's time per step and the server's (everything else: HTTP, scheduler, IPC,
-detokenizing, SSE), from the server's metrics during steady decoding. Then, where it
-started the server itself, the same engine alone in this process (no server, no HTTP):
-its decode step at each batch size beside the step through the API, so "server overhead"
-is what the API costs over the engine alone, whatever the engine does meanwhile.
+detokenizing, SSE), from the server's metrics during steady decoding. And, where it
+started the server itself, the same engine alone in this process (no server, no HTTP),
+timed just before and just after each API run: its decode step beside the step through the
+API, so "server overhead" is what the API costs over the engine alone, whatever the engine
+does meanwhile.
 
     python bench/decode_http.py                      # default model, 1 and 4 streams
     python bench/decode_http.py --streams 1 4 8 --tokens 128
@@ -178,26 +179,31 @@ def memory_bandwidth_gbs() -> float:
     return best
 
 
-def engine_alone_ms(model: str, decode_weights: str, batches: list[int]) -> dict[int, float]:
-    """Median decode step of the engine alone at each batch size (bench/step_profile.py's
-    setup: slots prefilled with 64 tokens, steps at positions 65 on; the server's threads)."""
-    import statistics
+class EngineAlone:
+    """The server's engine in this process (no server, no HTTP): bench/step_profile.py's
+    setup, slots prefilled with 64 tokens, each timing at fresh positions."""
 
-    import step_profile
+    def __init__(self, model: str, decode_weights: str, slots: int):
+        import step_profile
 
-    from mashbox.registry import default_models_dir, known_models
+        from mashbox.registry import default_models_dir, known_models
 
-    path = default_models_dir() / model / known_models()[model]["filename"]
-    engine = step_profile.prepare(path, decode_weights, max(batches))
-    position, out = len(step_profile.PROMPT), {}
-    for batch in batches:
-        times = step_profile.time_steps(engine, batch, position, 20)
-        position += 21
-        out[batch] = statistics.median(times) * 1e3
-    return out
+        path = default_models_dir() / model / known_models()[model]["filename"]
+        self.engine = step_profile.prepare(path, decode_weights, slots)
+        self.position = len(step_profile.PROMPT)
+
+    def step_ms(self, batch: int, steps: int = 20) -> float:
+        """Median decode step at this batch size."""
+        import statistics
+
+        import step_profile
+
+        times = step_profile.time_steps(self.engine, batch, self.position, steps)
+        self.position += steps + 1
+        return statistics.median(times) * 1e3
 
 
-async def main_async(args, url: str, server_pid: int | None = None) -> list[tuple[int, float]]:
+async def main_async(args, url: str, server_pid: int | None = None, alone=None) -> None:
     card = httpx.get(url + "/v1/models").json()["data"][0]
     print(f"model {card['id']}  weights {card['weights']}  bpw {card['bpw']}  gb {card['gb']}")
     bw = memory_bandwidth_gbs()
@@ -211,9 +217,13 @@ async def main_async(args, url: str, server_pid: int | None = None) -> list[tupl
         f"{'steps/s of limit':>17} {'engine ms/step':>15} {'server ms/step':>15}"
         + (f" {'server CPU ms/step':>19} {'client CPU ms/step':>19}" if server_pid else "")
     )
-    base, api_steps = None, []
+    base, compared = None, []
     for n in args.streams:
+        # The engine alone just before and just after: the host's speed drifts by tens of
+        # percent within minutes, so a comparison with a timing taken later means little.
+        before = alone.step_ms(n) if alone else None
         r = await run_streams(url, n, args.tokens, server_pid)
+        after = alone.step_ms(n) if alone else None
         base = base or r["total_wall"]
         cpu = ""
         if server_pid:
@@ -225,8 +235,19 @@ async def main_async(args, url: str, server_pid: int | None = None) -> list[tupl
             f"{r['step_ms']:>15.1f} {r['server_ms']:>9.1f} ({r['server_ms'] / r['step_ms']:.0%})"
             + cpu
         )
-        api_steps.append((n, r["step_ms"] + r["server_ms"]))
-    return api_steps
+        if alone:
+            compared.append((n, r["step_ms"] + r["server_ms"], before, after))
+    if compared:
+        print(
+            f"{'streams':>7} {'API step ms':>12} {'engine alone ms (before/after)':>31} "
+            f"{'API overhead':>13}"
+        )
+        for n, api_ms, before, after in compared:
+            alone_ms = (before + after) / 2
+            print(
+                f"{n:>7} {api_ms:>12.1f} {before:>18.1f} / {after:<10.1f} "
+                f"{api_ms / alone_ms - 1:>12.0%}"
+            )
 
 
 def main() -> None:
@@ -250,19 +271,16 @@ def main() -> None:
 
     slots = max(args.slots, *args.streams)
     extra = args.server_args.split()
+    alone = None
+    if not args.no_engine_alone:
+        kind = extra[extra.index("--decode-weights") + 1] if "--decode-weights" in extra else "auto"
+        alone = EngineAlone(args.model, kind, max(args.streams))
     proc = ServerProcess(args.model, "--slots", str(slots), "--ctx", "1024", *extra)
     try:
         url = proc.wait_ready(900)
-        api_steps = trio.run(main_async, args, url, proc.proc.pid)
+        trio.run(main_async, args, url, proc.proc.pid, alone)
     finally:
         proc.stop()
-    if args.no_engine_alone:
-        return
-    kind = extra[extra.index("--decode-weights") + 1] if "--decode-weights" in extra else "auto"
-    alone = engine_alone_ms(args.model, kind, [n for n, _ in api_steps])
-    print(f"{'streams':>7} {'API step ms':>12} {'engine alone ms':>16} {'API overhead':>13}")
-    for n, api_ms in api_steps:
-        print(f"{n:>7} {api_ms:>12.1f} {alone[n]:>16.1f} {api_ms / alone[n] - 1:>12.0%}")
 
 
 if __name__ == "__main__":
