@@ -181,9 +181,9 @@ class Ping:
 
 
 async def _receive(events, ping_every: float | None):
-    """The next event, or None after ping_every seconds without one (no timer when None:
-    a cancel scope per token is a measurable share of the server's time per token)."""
-    if ping_every is None:
+    """The next event, or None after ping_every seconds without one (no timer without
+    ping_every: a cancel scope per token is a measurable share of the server's time)."""
+    if not ping_every:
         return await events.receive()
     with trio.move_on_after(ping_every):
         return await events.receive()
