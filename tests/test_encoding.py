@@ -42,6 +42,7 @@ def test_protocol_messages_round_trip_through_pickle():
             decodes=tuple(p.Decode(i, p.PREVIOUS, 10 + i) for i in range(8)),
             saves=(p.Save(1, 2, 3),),
             restores=(p.Restore(1, 2, 3),),
+            shares=(p.Share(0, 3, 40),),
             drops=(4,),
             decides=(p.Decide(2, 5, (branch,)),),
         ),

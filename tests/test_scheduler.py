@@ -6,6 +6,7 @@ import pytest
 import trio
 
 from mashbox.engine.engine import Engine
+from mashbox.prompt_cache import common_prefix
 from mashbox.protocol import PREVIOUS, Admit, Decode, Prefill, SamplingParams, Step
 from mashbox.scheduler import (
     MAX_WAITING,
@@ -31,6 +32,7 @@ class InProcessEngine:
         self.step_delay = step_delay
         self.steps = 0
         self.sent = []  # in order, as the worker's pipe holds them
+        self.ran = []  # every step run, in order
         self.most_in_flight = 0
 
     def send(self, step):
@@ -40,7 +42,8 @@ class InProcessEngine:
     async def receive(self):
         self.steps += 1
         await trio.sleep(self.step_delay)
-        return self.engine.step(self.sent.pop(0))
+        self.ran.append(self.sent.pop(0))
+        return self.engine.step(self.ran[-1])
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +190,40 @@ async def test_steps_planned_ahead_give_each_stream_what_it_gets_alone(parts, ti
         assert seq.pending == 0
     assert any(seq.stops.matched for seq, _ in submitted)
     assert all(s.seq is None for s in scheduler.slots)
+
+
+async def test_requests_sharing_a_prefix_with_a_running_one_copy_it_and_answer_alike(tiny_llama):
+    """Parallel calls under one system prompt: a request admitted while another with the same
+    prefix runs copies that prefix's KV from its slot instead of computing it again, and
+    answers exactly what it answers alone."""
+    tok = Tokenizer.from_gguf(tiny_llama)
+    system = "You are a careful assistant who answers in short sentences. " * 6
+    texts = [system + "Tell me a story", system + "The sea", system + "Hello there"]
+    prompts = [tuple(tok.encode(t)) for t in texts]
+    shared = min(common_prefix(prompts[0], p) for p in prompts[1:])
+    assert shared > 50
+    greedy, seeded = SamplingParams(), SamplingParams(0.8, seed=3)
+    reference = Engine(tiny_llama, slots=1, ctx=512)
+    expected = [
+        alone(reference, p, greedy if i != 1 else seeded, 24) for i, p in enumerate(prompts)
+    ]
+    worker = InProcessEngine(Engine(tiny_llama, slots=3, ctx=512))
+    scheduler = Scheduler(tok, worker, slots=3, ctx=512)  # no host prompt cache
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scheduler.run)
+        first = scheduler.submit(Request(prompts[0], greedy, 24, ignore_eos=True))
+        while len(first[0].output_ids) < 2:  # its prompt is in its slot
+            await trio.sleep(0.001)
+        later = [
+            scheduler.submit(Request(prompts[1], seeded, 24, ignore_eos=True)),
+            scheduler.submit(Request(prompts[2], greedy, 24, ignore_eos=True)),
+        ]
+        for _, events in [first, *later]:
+            assert isinstance([e async for e in events][-1], Finished)
+        nursery.cancel_scope.cancel()
+    shares = [m for step in worker.ran for m in step.shares]
+    assert sorted(m.slot for m in shares) == [1, 2]
+    assert all(m.source == 0 and m.n == shared for m in shares)
+    assert [seq.cached for seq, _ in later] == [shared, shared]
+    for (seq, _), want in zip([first, *later], expected, strict=True):
+        assert seq.output_ids == want

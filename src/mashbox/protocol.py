@@ -94,6 +94,16 @@ class Restore:
 
 
 @message
+class Share:
+    """Copy the KV of positions 0..n-1 of slot `source` (in use) into slot `slot`: requests
+    that share a prefix with one running now (parallel calls under one system prompt)."""
+
+    source: int
+    slot: int
+    n: int
+
+
+@message
 class Branch:
     """Tokens read after a slot's prefix and never written to it (a typed decision's question).
 
@@ -126,6 +136,7 @@ class Step:
     decodes: tuple[Decode, ...] = ()
     saves: tuple[Save, ...] = ()  # run first: a slot is saved before it is overwritten
     restores: tuple[Restore, ...] = ()
+    shares: tuple[Share, ...] = ()  # after the saves, before the restores
     drops: tuple[int, ...] = ()  # prompt-cache entries to forget
     decides: tuple[Decide, ...] = ()  # run after the prefills that fill their prefixes
 

@@ -24,6 +24,7 @@ from .protocol import (
     Restore,
     SamplingParams,
     Save,
+    Share,
     Step,
     StepResult,
 )
@@ -236,6 +237,7 @@ class Scheduler:
         self.prompt_cache = prompt_cache or PromptCache(0, 0)
         self._saves: list[Save] = []  # prompt-cache moves for the next step
         self._restores: list[Restore] = []
+        self._shares: list[Share] = []  # prefixes copied from slots in use
         self._drops: list[int] = []
         self.ctx = ctx
         self.prefill_chunk = prefill_chunk
@@ -364,7 +366,7 @@ class Scheduler:
         again = []
         self._sent.clear()  # the new engine process never runs what the old one was sent
         self.prompt_cache.clear()  # the host copies lived in the engine process too
-        self._saves, self._restores, self._drops = [], [], []
+        self._saves, self._restores, self._shares, self._drops = [], [], [], []
         for slot in self.slots:
             slot.tokens.clear()  # a new engine process starts with empty caches
             seq = slot.seq
@@ -462,8 +464,8 @@ class Scheduler:
             shared = common_prefix(slot.tokens, prompt)
             if seq.request.embed:
                 shared = 0  # pooling needs every position's hidden state: nothing is reused
-            elif self.prompt_cache.enabled:
-                shared = self._swap_prefix(slot, prompt, shared, reusable)
+            else:
+                shared = self._bring_prefix(slot, prompt, shared, reusable)
             seq.cached = min(shared, reusable)
             del slot.tokens[seq.cached :]
             seq.prefilled = seq.cached
@@ -472,22 +474,35 @@ class Scheduler:
             slot.seq, slot.last_used, seq.slot = seq, self._uses, slot
             seq.t_start = time.perf_counter()
 
-    def _swap_prefix(self, slot: Slot, prompt, shared: int, reusable: int) -> int:
-        """Save what the slot holds before it is overwritten, then bring back the saved
-        prefix that shares more of the prompt than the slot does; return the shared length."""
+    def _bring_prefix(self, slot: Slot, prompt, shared: int, reusable: int) -> int:
+        """Save what the slot holds before it is overwritten, then bring in the longest
+        prefix of the prompt held elsewhere, if it beats the slot's own: a slot in use (a
+        copy on the device) or the host prompt cache. Return the shared length."""
         cache = self.prompt_cache
-        if shared < len(slot.tokens) and cache.worth_saving(slot.tokens):
+        if cache.enabled and shared < len(slot.tokens) and cache.worth_saving(slot.tokens):
             entry, evicted = cache.add(slot.tokens)
             self._saves.append(Save(slot.index, entry.id, len(slot.tokens)))
             self._drops.extend(e.id for e in evicted)
-        entry, n = cache.best(prompt)
-        n = min(n, reusable)
-        if entry is None or n <= shared:
+        # A source must hold its prefix when the step starts: shares run before restores,
+        # so a slot still waiting for its own share or restore is no source.
+        arriving = {m.slot for m in self._shares} | {m.slot for m in self._restores}
+        live = [
+            s for s in self.slots if s.seq is not None and s is not slot and s.index not in arriving
+        ]
+        source = max(live, key=lambda s: common_prefix(s.tokens, prompt), default=None)
+        from_live = min(common_prefix(source.tokens, prompt), reusable) if source else 0
+        entry, from_cache = cache.best(prompt) if cache.enabled else (None, 0)
+        from_cache = min(from_cache, reusable)
+        if max(from_live, from_cache) <= shared:
             return shared
+        if from_live >= from_cache:
+            self._shares.append(Share(source.index, slot.index, from_live))
+            slot.tokens[:] = source.tokens[:from_live]
+            return from_live
         cache.touch(entry)
-        self._restores.append(Restore(slot.index, entry.id, n))
-        slot.tokens[:] = entry.tokens[:n]
-        return n
+        self._restores.append(Restore(slot.index, entry.id, from_cache))
+        slot.tokens[:] = entry.tokens[:from_cache]
+        return from_cache
 
     def cache_stats(self) -> tuple[int, int, int]:
         """Host prompt cache: bytes held, cap, evictions."""
@@ -520,19 +535,29 @@ class Scheduler:
                 prefills.append(Prefill(slot.index, seq.prefilled, chunk, sample, embed))
                 if last and branches:  # read right after the chunk that completes the prefix
                     decides.append(Decide(slot.index, len(prompt), branches))
-        moves = (tuple(self._saves), tuple(self._restores), tuple(self._drops))
-        if not (admits or prefills or decodes or decides or any(moves)):
+        moves = {
+            "saves": tuple(self._saves),
+            "restores": tuple(self._restores),
+            "shares": tuple(self._shares),
+            "drops": tuple(self._drops),
+        }
+        if not (admits or prefills or decodes or decides or any(moves.values())):
             return None
-        self._saves, self._restores, self._drops = [], [], []
+        self._saves, self._restores, self._shares, self._drops = [], [], [], []
         self._steps += 1
         return Step(
-            self._steps, tuple(admits), tuple(prefills), tuple(decodes), *moves, tuple(decides)
+            self._steps,
+            admits=tuple(admits),
+            prefills=tuple(prefills),
+            decodes=tuple(decodes),
+            decides=tuple(decides),
+            **moves,
         )
 
     def _needs_latest_state(self) -> bool:
         """Whether the next step carries work that must be planned on the engine's latest
         state: an admission, a prompt chunk, a read or a cache move."""
-        if self._saves or self._restores or self._drops:
+        if self._saves or self._restores or self._shares or self._drops:
             return True
         return any(s.seq is not None and not s.seq.decoding for s in self.slots)
 

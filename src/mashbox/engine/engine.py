@@ -148,6 +148,8 @@ class Engine:
             self.host_cache[save.entry] = self.cache.copy_out(save.slot, save.n)
         for entry in step.drops:
             self.host_cache.pop(entry, None)
+        for share in step.shares:
+            self.cache.copy_prefix(share.source, share.slot, share.n)
         for restore in step.restores:
             self.cache.copy_in(restore.slot, self.host_cache[restore.entry], restore.n)
         for admit in step.admits:

@@ -155,6 +155,11 @@ class KVCache:
         self.k[:, slot, :, :n].copy_(k[:, :, :n])
         self.v[:, slot, :, :n].copy_(v[:, :, :n])
 
+    def copy_prefix(self, source: int, slot: int, n: int) -> None:
+        """Copy the first n positions of one slot into another, on the device."""
+        self.k[:, slot, :, :n].copy_(self.k[:, source, :, :n])
+        self.v[:, slot, :, :n].copy_(self.v[:, source, :, :n])
+
 
 class Model:
     """Weights as plain tensors and a forward pass over flat token batches."""
