@@ -13,7 +13,7 @@ from . import chat
 from .chat import Ping, ToolChoice
 from .errors import bad_request, not_ready
 from .generation import build_request, log_request
-from .openai_api import event_stream, logged_failure, submit
+from .openai_api import OneFieldEvent, event_stream, logged_failure, submit
 from .state import ServerState
 from .validate import Body
 
@@ -287,6 +287,7 @@ async def messages(state: ServerState, data, headers, tenant: str = ""):
     async def stream():
         index = -1
         open_kind = None  # "text" or "thinking": the block now open
+        piece = None  # the open block's delta event, its text left open (OneFieldEvent)
         called = False
 
         def close():
@@ -339,7 +340,10 @@ async def messages(state: ServerState, data, headers, tenant: str = ""):
                                 yield chunk
                             yield start({"type": "thinking", "thinking": "", "signature": ""})
                             open_kind = "thinking"
-                        yield delta({"type": "thinking_delta", "thinking": event.text})
+                            piece = OneFieldEvent(
+                                lambda t: delta({"type": "thinking_delta", "thinking": t})
+                            )
+                        yield piece(event.text)
                     elif isinstance(event, ToolCall):
                         for chunk in close():
                             yield chunk
@@ -377,7 +381,10 @@ async def messages(state: ServerState, data, headers, tenant: str = ""):
                                 yield chunk
                             yield start({"type": "text", "text": ""})
                             open_kind = "text"
-                        yield delta({"type": "text_delta", "text": event.text})
+                            piece = OneFieldEvent(
+                                lambda t: delta({"type": "text_delta", "text": t})
+                            )
+                        yield piece(event.text)
             error = {"type": "api_error", "message": "the request was dropped before it finished"}
             yield _sse("error", {"type": "error", "error": error, "request_id": mid})
         finally:
