@@ -124,3 +124,25 @@ def test_host_cache_evicts_at_its_cap(cached_server):
     health = httpx.get(url + "/health").json()
     assert health["host_cache_evictions"] > before
     assert health["host_cache_bytes"] <= health["host_cache_cap_bytes"]
+
+
+def test_a_busy_slots_prefix_is_shared_exactly(tiny_llama):
+    """A request whose prompt shares a prefix with one decoding now copies that prefix from
+    the busy slot (no host cache here) and answers what it answers with a fresh prefill."""
+    system = "Paris is the capital of France. " * 30
+    with serving(str(tiny_llama), "--ctx", "2048", "--slots", "2", "--threads", "1") as proc:
+        url = proc.url
+        alone = complete(url, system + "The sea is wide.")  # a fresh server: nothing to reuse
+        assert alone["timings"]["cache_n"] == 0
+        body = {"prompt": system + "Tell me more.", "max_tokens": 400, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        with httpx.Client(timeout=120) as http:
+            with http.stream("POST", url + "/v1/completions", json=body) as running:
+                lines = running.iter_lines()
+                next(line for line in lines if '"text": "' in line and '"text": ""' not in line)
+                shared = complete(url, system + "The sea is wide.")
+                assert any(line.startswith("data: [DONE]") for line in lines)
+    assert shared["choices"][0]["text"] == alone["choices"][0]["text"]
+    prompt_tokens = alone["usage"]["prompt_tokens"]
+    # The whole system text, not the tail that differs (and never the last token).
+    assert prompt_tokens - 10 < shared["timings"]["cache_n"] < prompt_tokens
