@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from mashbox import registry
 from mashbox.engine import weights as weights_mod
 from mashbox.engine.engine import Engine
-from mashbox.engine.int4 import EXACT_QTYPES, INT4_MAX_ROWS, Int4Weight, unpack
+from mashbox.engine.int4 import EXACT_QTYPES, Int4Weight, unpack
 from mashbox.engine.model import DECODE_MATRICES, Int8Weight
 
 from tinymodels import no_tokenizer, random_weights, write_gguf
@@ -107,7 +107,7 @@ def test_int4_decode_is_close_and_prefill_stays_float(tiny4):
     approx = engine.model.decode(engine.cache, [0], ids[-1:], torch.tensor([7]))
     assert (approx - exact).norm() / exact.norm() < 0.02  # bf16 activations and scales
     w = engine.model.layers[0]["w_gate_up"]
-    big = torch.randn(INT4_MAX_ROWS + 1, w.w.shape[1])
+    big = torch.randn(w.max_rows + 1, w.w.shape[1])
     assert torch.equal(w(big), F.linear(big, w.w))  # prefill-sized batches: the float path
 
 

@@ -24,7 +24,10 @@ from .weights import RawBlocks
 GROUP = 32  # the GGUF block: one kernel group
 EXACT_QTYPES = (Q.Q4_0, Q.Q4_1)
 KEPT_QTYPES = (*EXACT_QTYPES, Q.Q8_0)  # the blocks an int4 engine loads as stored
-INT4_MAX_ROWS = 16  # up to this many rows (decode batches) use the int4 weights
+INT4_MAX_ROWS = 16  # up to this many rows (decode batches) use torch's int4 kernel
+# and mashbox's block kernels, short prefill chunks too: on the AVX-512 host they beat
+# float32 sgemm at 24 rows (1.35x) and 48 (1.12x), not from ~96 (bench in docs/NOTES.md).
+BLOCKS_MAX_ROWS = 48
 
 
 def fits(blocks: list[RawBlocks | None]) -> bool:
@@ -76,8 +79,13 @@ class Int4Weight:
             zero = m.float() + 8 * d.float()
             self.scales_and_zeros = torch.stack([d.T, zero.T], dim=-1).to(dtype).contiguous()
 
+    @property
+    def max_rows(self) -> int:
+        """Rows up to which a call uses the int4 weights; more take the float path."""
+        return BLOCKS_MAX_ROWS if self.kernel is not None else INT4_MAX_ROWS
+
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        if x.shape[0] > INT4_MAX_ROWS:
+        if x.shape[0] > self.max_rows:
             return F.linear(x, self.w, bias)
         if self.kernel is not None:
             y = self.kernel.q4_linear(x.float().contiguous(), self.qs, self.dm).to(x.dtype)
@@ -127,8 +135,10 @@ class Q8Weight:
         self.kernel = cpu_kernels.load()
         self.qs, self.d = cpu_kernels.pack_q8(q, d)
 
+    max_rows = BLOCKS_MAX_ROWS  # rows up to which a call uses the Q8_0 blocks
+
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        if x.shape[0] > INT4_MAX_ROWS:
+        if x.shape[0] > self.max_rows:
             return F.linear(x, self.w, bias)
         y = self.kernel.q8_linear(x.float().contiguous(), self.qs, self.d).to(x.dtype)
         return y + bias if bias is not None else y
