@@ -227,3 +227,19 @@ async def test_requests_sharing_a_prefix_with_a_running_one_copy_it_and_answer_a
     assert [seq.cached for seq, _ in later] == [shared, shared]
     for (seq, _), want in zip([first, *later], expected, strict=True):
         assert seq.output_ids == want
+
+
+def test_in_a_burst_a_request_gets_the_slot_holding_its_own_prompt(parts):
+    """Requests queued together are placed longest match first: a request for the prompt a
+    free slot still holds gets that slot, though one queued before it shares a little."""
+    tok, engine = parts
+    scheduler = Scheduler(tok, InProcessEngine(engine), slots=2, ctx=512)
+    sea = tuple(tok.encode("The sea is wide and deep and blue tonight"))
+    story = tuple(tok.encode("Once upon a time"))
+    scheduler.slots[0].tokens, scheduler.slots[0].last_used = [*story, 7, 8], 2
+    scheduler.slots[1].tokens, scheduler.slots[1].last_used = [*sea, 5, 6], 1
+    near, _ = scheduler.submit(Request((*sea[:3], *story), SamplingParams(), 4))
+    again, _ = scheduler.submit(Request(sea, SamplingParams(), 4))
+    scheduler._admit()
+    assert again.slot is scheduler.slots[1] and again.cached == len(sea) - 1
+    assert near.slot is scheduler.slots[0]

@@ -449,30 +449,47 @@ class Scheduler:
             seq.slot = None
 
     def _admit(self) -> None:
-        """Give free slots to waiting requests, each to the slot sharing its longest prefix."""
-        while self.waiting:
-            free = [s for s in self.slots if s.seq is None]
-            if not free:
-                return
-            seq = self.waiting.popleft()
-            prompt = seq.request.prompt_ids
-            # Generation runs at least its last prompt token (its logits give the first new
-            # token); a decision reads after the prefix and can take all of it from a cache.
-            reusable = len(prompt) - (0 if seq.request.branches else 1)
-            # Longest shared prefix first; among equals the least recently used slot.
-            slot = max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
-            shared = common_prefix(slot.tokens, prompt)
-            if seq.request.embed:
-                shared = 0  # pooling needs every position's hidden state: nothing is reused
-            else:
-                shared = self._bring_prefix(slot, prompt, shared, reusable)
-            seq.cached = min(shared, reusable)
-            del slot.tokens[seq.cached :]
-            seq.prefilled = seq.cached
-            self.observer.admitted(len(prompt), seq.cached)
-            self._uses += 1
-            slot.seq, slot.last_used, seq.slot = seq, self._uses, slot
-            seq.t_start = time.perf_counter()
+        """Give free slots to the oldest waiting requests, each to a free slot sharing the
+        longest prefix with its prompt (among equals the least recently used). The longest
+        matches are placed first: in a burst, a request whose own prompt a slot still holds
+        gets that slot, not a request that came before it and would share less."""
+        free = [s for s in self.slots if s.seq is None]
+        batch = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
+
+        def match(seq: Sequence, slot: Slot) -> int:
+            return 0 if seq.request.embed else common_prefix(slot.tokens, seq.request.prompt_ids)
+
+        pairs = sorted(
+            ((match(q, s), -s.last_used, -i, i, s) for i, q in enumerate(batch) for s in free),
+            key=lambda pair: pair[:3],
+            reverse=True,
+        )
+        chosen: dict[int, Slot] = {}
+        taken: set[int] = set()
+        for *_, i, slot in pairs:
+            if i not in chosen and slot.index not in taken:
+                chosen[i] = slot
+                taken.add(slot.index)
+        for i, seq in enumerate(batch):  # in arrival order: an earlier one can be a source
+            self._place(seq, chosen[i])
+
+    def _place(self, seq: Sequence, slot: Slot) -> None:
+        prompt = seq.request.prompt_ids
+        # Generation runs at least its last prompt token (its logits give the first new
+        # token); a decision reads after the prefix and can take all of it from a cache.
+        reusable = len(prompt) - (0 if seq.request.branches else 1)
+        shared = common_prefix(slot.tokens, prompt)
+        if seq.request.embed:
+            shared = 0  # pooling needs every position's hidden state: nothing is reused
+        else:
+            shared = self._bring_prefix(slot, prompt, shared, reusable)
+        seq.cached = min(shared, reusable)
+        del slot.tokens[seq.cached :]
+        seq.prefilled = seq.cached
+        self.observer.admitted(len(prompt), seq.cached)
+        self._uses += 1
+        slot.seq, slot.last_used, seq.slot = seq, self._uses, slot
+        seq.t_start = time.perf_counter()
 
     def _bring_prefix(self, slot: Slot, prompt, shared: int, reusable: int) -> int:
         """Save what the slot holds before it is overwritten, then bring in the longest
