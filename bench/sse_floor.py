@@ -14,7 +14,6 @@ the same client (bench/decode_http.py's steady window, server process CPU from /
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import decode_http  # noqa: E402
+from vs_llama import free_port  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 
@@ -105,12 +105,6 @@ def serve_floor(port: int, step_s: float) -> None:
     config.bind = [f"127.0.0.1:{port}"]
     config.accesslog = None
     trio.run(serve, floor_app(step_s), config)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(url: str, pid: int, streams: list[int], tokens: int) -> dict[int, dict]:
