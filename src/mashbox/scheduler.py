@@ -464,24 +464,22 @@ class Scheduler:
             key=lambda pair: pair[:3],
             reverse=True,
         )
-        chosen: dict[int, Slot] = {}
+        chosen: dict[int, tuple[Slot, int]] = {}
         taken: set[int] = set()
-        for *_, i, slot in pairs:
+        for shared, _, _, i, slot in pairs:
             if i not in chosen and slot.index not in taken:
-                chosen[i] = slot
+                chosen[i] = slot, shared
                 taken.add(slot.index)
         for i, seq in enumerate(batch):  # in arrival order: an earlier one can be a source
-            self._place(seq, chosen[i])
+            self._place(seq, *chosen[i])
 
-    def _place(self, seq: Sequence, slot: Slot) -> None:
+    def _place(self, seq: Sequence, slot: Slot, shared: int) -> None:
+        """Admit seq to slot, which holds `shared` tokens of its prompt (`_admit`'s match)."""
         prompt = seq.request.prompt_ids
         # Generation runs at least its last prompt token (its logits give the first new
         # token); a decision reads after the prefix and can take all of it from a cache.
         reusable = len(prompt) - (0 if seq.request.branches else 1)
-        shared = common_prefix(slot.tokens, prompt)
-        if seq.request.embed:
-            shared = 0  # pooling needs every position's hidden state: nothing is reused
-        else:
+        if not seq.request.embed:  # pooling needs every position's hidden state: no reuse
             shared = self._bring_prefix(slot, prompt, shared, reusable)
         seq.cached = min(shared, reusable)
         del slot.tokens[seq.cached :]
@@ -506,8 +504,12 @@ class Scheduler:
         live = [
             s for s in self.slots if s.seq is not None and s is not slot and s.index not in arriving
         ]
-        source = max(live, key=lambda s: common_prefix(s.tokens, prompt), default=None)
-        from_live = min(common_prefix(source.tokens, prompt), reusable) if source else 0
+        from_live, source = max(
+            ((common_prefix(s.tokens, prompt), s) for s in live),
+            key=lambda pair: pair[0],
+            default=(0, None),
+        )
+        from_live = min(from_live, reusable)
         entry, from_cache = cache.best(prompt) if cache.enabled else (None, 0)
         from_cache = min(from_cache, reusable)
         if max(from_live, from_cache) <= shared:
