@@ -84,6 +84,8 @@ async def one_stream(
                         window.piece(pieces)
                 if event.get("usage"):
                     usage, timings = event["usage"], event["timings"]
+    if window and window.started.is_set():
+        window.ending.set()  # a stream ended: steady decoding is over, however few its pieces
     return {"first": first, "last": last, "usage": usage, "timings": timings, "pieces": pieces}
 
 
