@@ -29,6 +29,10 @@ from .worker_client import Supervisor, WorkerError, WorkerProcess
 
 log = logging.getLogger("mashbox")
 
+# Connections the kernel holds before they are accepted: a burst of clients past it (the
+# 256-request queue filling at once) would otherwise see resets.
+BACKLOG = 1024
+
 
 class FatalError(Exception):
     """Stops the server with a one-line message (exit status 1)."""
@@ -70,7 +74,7 @@ def bind(host: str, port: int, stall_timeout: float) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise FatalError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock.listen(1024)
+    sock.listen(BACKLOG)
     sock.set_inheritable(True)
     return sock
 
@@ -104,6 +108,7 @@ async def serve(
     state = ServerState(model_id=ref.id, ctx=opts.ctx or 0, slots=opts.slots, guard=guard)
     config = Config()
     config.bind = [f"fd://{sock.fileno()}"]
+    config.backlog = BACKLOG  # hypercorn listens again on the socket, with its own 100
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.keep_alive_timeout = opts.keep_alive
