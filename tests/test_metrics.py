@@ -12,6 +12,7 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from mashbox.prompt_cache import DEFAULT_CACHE_RAM_MIB
 from mashbox.protocol import EngineInfo
 from mashbox.server.app import create_app
 from mashbox.server.state import ServerState, model_identity, weights_sha
@@ -222,8 +223,9 @@ def test_health_reports_every_field(server):
     assert health["compiles_after_ready"] == 0
     assert health["routed_experts"] is None
     assert isinstance(health["worker_pid"], int) and health["worker_restarts"] == 0
-    for field in ("cache_bytes", "host_cache_bytes", "snapshot_bytes", "host_cache_cap_bytes"):
-        assert health[field] == 0
+    assert health["host_cache_cap_bytes"] == DEFAULT_CACHE_RAM_MIB * 2**20  # on unless asked
+    assert health["snapshot_bytes"] == 0
+    assert health["cache_bytes"] == health["host_cache_bytes"] <= health["host_cache_cap_bytes"]
     assert health["host_cache_evictions"] == 0
     assert health["live_rows"] >= 0 and health["waiting"] >= 0
 

@@ -130,7 +130,8 @@ def test_a_busy_slots_prefix_is_shared_exactly(tiny_llama):
     """A request whose prompt shares a prefix with one decoding now copies that prefix from
     the busy slot (no host cache here) and answers what it answers with a fresh prefill."""
     system = "Paris is the capital of France. " * 30
-    with serving(str(tiny_llama), "--ctx", "2048", "--slots", "2", "--threads", "1") as proc:
+    args = "--ctx", "2048", "--slots", "2", "--threads", "1", "--cache-ram", "0"
+    with serving(str(tiny_llama), *args) as proc:
         url = proc.url
         alone = complete(url, system + "The sea is wide.")  # a fresh server: nothing to reuse
         assert alone["timings"]["cache_n"] == 0

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from . import __version__
+from .prompt_cache import DEFAULT_CACHE_RAM_MIB
 from .registry import DEFAULT_MODEL
 
 
@@ -62,9 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--cache-ram",
         type=int,
-        default=0,
+        default=DEFAULT_CACHE_RAM_MIB,
         metavar="MIB",
-        help="host memory for saved prompt prefixes, LRU (default 0 = off)",
+        help="host memory for saved prompt prefixes, LRU; 0 = off "
+        f"(default {DEFAULT_CACHE_RAM_MIB}, as llama-server's)",
     )
     run.add_argument(
         "--api-key-file",
@@ -110,6 +112,8 @@ def main(argv=None) -> int:
             _parser().error("--slots must be at least 1")
         if args.ctx is not None and args.ctx < 16:
             _parser().error("--ctx must be at least 16")
+        if args.cache_ram < 0:
+            _parser().error("--cache-ram must be 0 (off) or more MiB")
         opts = ServeOptions(
             host=args.host,
             port=args.port,

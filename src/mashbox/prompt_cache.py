@@ -14,6 +14,7 @@ import itertools
 import attrs
 
 MIN_TOKENS = 32  # shorter prefixes cost less to prefill than to keep
+DEFAULT_CACHE_RAM_MIB = 8192  # llama-server's default: agents resend long prompts every turn
 
 
 @attrs.define(eq=False)

@@ -17,7 +17,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from . import registry
-from .prompt_cache import PromptCache
+from .prompt_cache import DEFAULT_CACHE_RAM_MIB, PromptCache
 from .scheduler import Scheduler
 from .server import contain
 from .server.app import ShieldFinalSend, create_app
@@ -52,7 +52,7 @@ class ServeOptions:
     step_timeout: float = 120.0
     keep_alive: float = 5.0
     api_key_file: Path | None = None
-    cache_ram_mib: int = 0
+    cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB
     decode_weights: str = "auto"
     allowed_hosts: tuple[str, ...] = ()
     ui: bool = False  # the chat page on /
@@ -186,7 +186,8 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
     )
     nursery.start_soon(state.scheduler.run)
     log.info(
-        "ready in %.1f s: %s (%s, %.0fM params, %s on %s), %d slots x %d tokens",
+        "ready in %.1f s: %s (%s, %.0fM params, %s on %s), %d slots x %d tokens, "
+        "host prompt cache %d MiB",
         time.monotonic() - t0,
         ref.id,
         info.arch,
@@ -195,6 +196,7 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
         info.device,
         opts.slots,
         info.ctx,
+        opts.cache_ram_mib,
     )
 
 
