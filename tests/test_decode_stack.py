@@ -21,7 +21,12 @@ FED = [11, 23, 5, 70, 2]  # tokens fed to every slot, one a step
 
 
 Q = gguf.GGMLQuantizationType
-KINDS = {"int8": (None, None), "int4": (Q.Q4_1, Int4Weight), "int4-q8": (Q.Q8_0, Q8Weight)}
+KINDS = {
+    "int8": (None, None),
+    "int4": (Q.Q4_1, Int4Weight),
+    "int4a8": (Q.Q4_1, Int4Weight),
+    "int4-q8": (Q.Q8_0, Q8Weight),
+}
 
 
 @pytest.fixture(
@@ -31,6 +36,7 @@ KINDS = {"int8": (None, None), "int4": (Q.Q4_1, Int4Weight), "int4-q8": (Q.Q8_0,
         ("qwen2", "int8"),
         ("qwen3", "int8"),
         ("llama", "int4"),
+        ("llama", "int4a8"),
         ("llama", "int4-q8"),
     ],  # fmt: skip
     ids=lambda p: "-".join(p),
@@ -54,6 +60,7 @@ def engine(request, tmp_path_factory):
     assert engine.model.decode_stack is not None
     if weight_class is not None:
         assert isinstance(engine.model.layers[0]["w_down"], weight_class)
+    assert engine.model.decode_kind == {"int4-q8": "q8_0"}.get(kind, kind)
     assert (engine.model.layers[0]["q_norm"] is not None) == (arch == "qwen3")
     with torch.inference_mode():
         for slot, ids in PROMPTS.items():

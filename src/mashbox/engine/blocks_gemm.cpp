@@ -1,5 +1,7 @@
 #include "cpu_kernels.h"
 
+#include <cmath>
+
 // y[M, N] = x[M, K] . W^T with W a GGUF file's own blocks of 32 weights, not re-quantized,
 // float32 activations. Per output and block the kernels sum q * x in k order, then scale:
 // - Q4_0 / Q4_1 (q4_gemm): w = q * d + m (q in 0..15, d and m fp16; Q4_0's (q - 8) * d is
@@ -173,6 +175,106 @@ void q8_gemm(const float* x, const int8_t* qs, const uint16_t* ds, float* y, int
       });
 }
 
+// ---- Q4 x int8 activations (q4a8) ---------------------------------------------------------
+// Each row's activations are rounded to int8 per block of 32, x ~ xq * dx with dx = max|x| /
+// 127 (llama.cpp's Q8_1), and a block's sum of q * xq is an exact int32 dot product, four
+// bytes a lane (dot4): w . x ~ dx * (d * sum(q * xq) + m * sum(xq)). Integer sums have no
+// order, so a row's bits depend only on the row: the same at any M and either width.
+// Packed (pack_q4a8) in tiles of 32 outputs: qs[N / 32][K / 8][32][4] bytes, byte j of an
+// output's 4 holding weights 8i + j (low nibble) and 8i + 4 + j (high); dm as pack_q4's.
+
+// x[rows, K] -> xq int8 [rows, K], dx [rows, K / 32] and xs = dx * sum(xq) per block.
+static void quantize_rows(const float* x, int8_t* xq, float* dx, float* xs, int64_t rows,
+                          int64_t K) {
+  for (int64_t r = 0; r < rows * (K / BLOCK); ++r) {
+    const float* p = x + r * BLOCK;
+    float amax = 0.0f;
+    for (int64_t k = 0; k < BLOCK; ++k) amax = std::max(amax, std::fabs(p[k]));
+    const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < BLOCK; ++k) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(p[k] * inv));  // to nearest even
+      xq[r * BLOCK + k] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    dx[r] = d;
+    xs[r] = d * static_cast<float>(sum);
+  }
+}
+
+template <int V, int MB>
+static inline void q4a8_block(const int8_t* xq, const float* dx, const float* xs,
+                              const uint8_t* qs, const uint16_t* dm, float* y, int64_t n0,
+                              int64_t m0, int64_t K, int64_t N) {
+  const int64_t blocks = K / BLOCK, tile_qs = K / 2 * TILE, tile_dm = blocks * 2 * TILE;
+  alignas(64) float out[MB][V * LANES] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    vint sum[MB][V];
+    UNROLL for (int j = 0; j < MB; ++j)
+      UNROLL for (int v = 0; v < V; ++v) sum[j][v] = vzero_int();
+    UNROLL for (int64_t i = 0; i < BLOCK / 8; ++i) {
+      const int64_t k = b * BLOCK + 8 * i;
+      vint low[V], high[V];  // weights k..k+3 and k+4..k+7 of LANES outputs
+      UNROLL for (int v = 0; v < V; ++v) {
+        const vint w = vload_bytes(qs + (v / VPT) * tile_qs + k / 8 * TILE * 4 + (v % VPT) * LANES * 4);
+        low[v] = low_nibbles(w);
+        high[v] = high_nibbles(w);
+      }
+      UNROLL for (int j = 0; j < MB; ++j) {
+        const int8_t* row = xq + (m0 + j) * K + k;
+        const vint x0 = broadcast4(row), x1 = broadcast4(row + 4);
+        UNROLL for (int v = 0; v < V; ++v) sum[j][v] = dot4(dot4(sum[j][v], low[v], x0), high[v], x1);
+      }
+    }
+    UNROLL for (int v = 0; v < V; ++v) {
+      const uint16_t* s = dm + vec_offset(v, tile_dm) + b * 2 * TILE;
+      const vfloat d = from_half(s), m = from_half(s + TILE);
+      UNROLL for (int j = 0; j < MB; ++j) {
+        const int64_t at = (m0 + j) * blocks + b;
+        const vfloat qx = vmul(to_float(sum[j][v]), vbroadcast(dx + at));
+        vfloat o = vfma(d, qx, vload(out[j] + v * LANES));
+        o = vfma(m, vbroadcast(xs + at), o);
+        vstore(out[j] + v * LANES, o);
+      }
+    }
+  }
+  store<V, MB>(out, y, n0, m0, N);
+}
+
+void q4a8_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
+               int64_t K, int64_t N) {
+  const int64_t blocks = K / BLOCK, tiles = N / TILE;
+  const int64_t tile_qs = K / 2 * TILE, tile_dm = blocks * 2 * TILE;
+  std::vector<int8_t> xq_(M * K);
+  std::vector<float> dx_(M * blocks), xs_(M * blocks);
+  quantize_rows(x, xq_.data(), dx_.data(), xs_.data(), M, K);
+  const int8_t* xq = xq_.data();
+  const float *dx = dx_.data(), *xs = xs_.data();
+  over_tiles(
+      M, tiles,
+      [&](int64_t t) {
+        q4a8_block<2 * VPT, 1>(xq, dx, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0,
+                               K, N);
+      },
+      [&](int64_t t) {
+        q4a8_block<VPT, 1>(xq, dx, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0, K,
+                           N);
+      },
+      [&](int64_t t) {
+        const uint8_t* q = qs + t * tile_qs;
+        const uint16_t* s = dm + t * tile_dm;
+        int64_t m = 0;
+        if constexpr (ACCUMULATORS >= 16)  // 8 rows x a whole tile: weights unpacked once
+          for (; M - m >= 8; m += 8) q4a8_block<VPT, 8>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
+        for (; M - m >= 4; m += 4)
+          for (int v0 = 0; v0 < VPT; v0 += 2)
+            q4a8_block<2, 4>(xq, dx, xs, q + v0 * LANES * 4, s + v0 * LANES, y,
+                             t * TILE + v0 * LANES, m, K, N);
+        for (; M - m >= 2; m += 2) q4a8_block<VPT, 2>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
+        if (M - m == 1) q4a8_block<VPT, 1>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
+      });
+}
+
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
   TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kByte && dm.dtype() == torch::kHalf);
   TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && dm.is_contiguous());
@@ -196,5 +298,20 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
   auto y = torch::empty({M, N}, x.options());
   q8_gemm(x.data_ptr<float>(), qs.data_ptr<int8_t>(),
           reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), y.data_ptr<float>(), M, K, N);
+  return y;
+}
+
+
+torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
+  TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kByte && dm.dtype() == torch::kHalf);
+  TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && dm.is_contiguous());
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE;
+  TORCH_CHECK(K % BLOCK == 0 && qs.dim() == 4 && qs.size(1) * 8 == K && qs.size(2) == TILE &&
+              qs.size(3) == 4 && dm.dim() == 4 && dm.size(0) == qs.size(0) &&
+              dm.size(1) * BLOCK == K,
+              "qs/dm must be packed by pack_q4a8 for K = ", K);
+  auto y = torch::empty({M, N}, x.options());
+  q4a8_gemm(x.data_ptr<float>(), qs.data_ptr<uint8_t>(),
+            reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), M, K, N);
   return y;
 }

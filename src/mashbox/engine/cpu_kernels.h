@@ -43,6 +43,25 @@ static inline vfloat low_nibble_float(vint q) {
 static inline vfloat high_nibble_float(vint q) {
   return low_nibble_float(_mm512_srli_epi32(q, 4));
 }
+// Int8 dot products (q4a8): 4 bytes a lane. dot4 adds u[4i..4i+3] . s[4i..4i+3] (unsigned
+// times signed bytes) to lane i, exactly (vpdpbusd).
+static inline vint vload_bytes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+static inline vint vzero_int() { return _mm512_setzero_si512(); }
+static inline vint low_nibbles(vint v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+static inline vint high_nibbles(vint v) {
+  return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+}
+static inline vint broadcast4(const int8_t* p) {
+  return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+}
+static inline vint dot4(vint acc, vint u, vint s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else  // as the AVX2 one below
+  const __m512i pairs = _mm512_maddubs_epi16(u, s);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
 #else
 constexpr int LANES = 8;
 using vfloat = __m256;
@@ -70,6 +89,27 @@ static inline vfloat low_nibble_float(vint q) {
   return to_float(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)));
 }
 static inline vfloat high_nibble_float(vint q) { return to_float(_mm256_srli_epi32(q, 4)); }
+static inline vint vload_bytes(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+static inline vint vzero_int() { return _mm256_setzero_si256(); }
+static inline vint low_nibbles(vint v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+static inline vint high_nibbles(vint v) {
+  return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+}
+static inline vint broadcast4(const int8_t* p) {
+  return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+}
+// Without AVX-VNNI: byte pairs to int16 (no saturation here: 2 * 15 * 127 < 2^15), then
+// pairs of those to int32; the same exact sums.
+static inline vint dot4(vint acc, vint u, vint s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
 #endif
 constexpr int TILE_LANES = 32;            // outputs per packed tile (cpu_kernels.TILE)
 constexpr int VPT = TILE_LANES / LANES;  // vectors per tile: 4 (AVX2) or 2 (AVX-512)
@@ -123,5 +163,11 @@ void q4_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, in
 void q8_gemm(const float* x, const int8_t* qs, const uint16_t* d, float* y, int64_t M,
              int64_t K, int64_t N);
 
+// Q4 blocks with activations rounded to int8 per block of 32 (x ~ xq * dx, as llama.cpp's
+// Q8_1), exact integer dot products: qs packed by pack_q4a8, dm as pack_q4's.
+void q4a8_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
+               int64_t K, int64_t N);
+
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
+torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);

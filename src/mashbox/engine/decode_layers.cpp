@@ -106,20 +106,23 @@ static void attend(const float* q, const float* k, const float* v, float* out, i
 
 // A decode matrix, told apart by its tensors' dtypes: int8 per output channel (int8 packed
 // weights, float32 scales: int8_gemm.cpp), or a GGUF's own Q4 blocks (uint8 qs, fp16 d and
-// m) or Q8_0 blocks (int8 qs, fp16 d: blocks_gemm.cpp).
+// m; 4-dim qs: for int8 activations) or Q8_0 blocks (int8 qs, fp16 d: blocks_gemm.cpp).
 struct Mat {
   torch::Tensor a, b;
   bool int8() const { return b.scalar_type() == torch::kFloat; }
   bool q4() const { return a.scalar_type() == torch::kByte; }
+  bool q4a8() const { return q4() && a.dim() == 4; }  // pack_q4a8's [N/32][K/8][32][4]
   int64_t n() const { return int8() ? b.size(0) : a.size(0) * 32; }
-  int64_t k() const { return q4() ? a.size(1) * 2 : a.size(1); }
+  int64_t k() const { return q4a8() ? a.size(1) * 8 : q4() ? a.size(1) * 2 : a.size(1); }
   void operator()(const float* x, float* y, int64_t rows) const {
     if (int8()) {
       int8_gemm(x, a.data_ptr<int8_t>(), b.data_ptr<float>(), y, rows, k(), n());
       return;
     }
     const auto* scales = reinterpret_cast<const uint16_t*>(b.data_ptr<at::Half>());
-    if (q4())
+    if (q4a8())
+      q4a8_gemm(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n());
+    else if (q4())
       q4_gemm(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n());
     else
       q8_gemm(x, a.data_ptr<int8_t>(), scales, y, rows, k(), n());
@@ -242,6 +245,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = x . (q * scale)^T, q packed by pack_int8");
   m.def("q4_linear", &q4_linear, "y = x . W^T, W a GGUF's 4-bit blocks packed by pack_q4");
   m.def("q8_linear", &q8_linear, "y = x . W^T, W a GGUF's Q8_0 blocks packed by pack_q8");
+  m.def("q4a8_linear", &q4a8_linear, "q4_linear with x rounded to int8 per block of 32");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, torch::Tensor,
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double>())

@@ -47,7 +47,9 @@ DEFAULT_MAX_CTX = 8192
 def resolve_decode_weights(kind: str, device: str) -> str:
     """ "auto": on a CPU where mashbox's kernels build, int4 (the file's own Q4_0/Q4_1/Q8_0
     blocks where it has them, int8 for other matrices; a whole decode step in one call, ~9x
-    float32 here); float elsewhere (bf16 on an accelerator)."""
+    float32 here); float elsewhere (bf16 on an accelerator). Not int4a8, faster still: its
+    int8 activations, as llama.cpp's, turn the default model's answer to "What is the capital
+    of France?" from Paris into "L'Étoile, la Marseillaise, ..." (llama-server's answer too)."""
     if kind != "auto":
         return kind
     return "int4" if torch.device(device).type == "cpu" and cpu_kernels.load() else "float"
@@ -97,7 +99,7 @@ class Engine:
         None: as $MASHBOX_GRAPH_DECODE says, else on CUDA with float decode weights."""
         decode_weights = resolve_decode_weights(decode_weights, device)
         # int4 loads the file's own Q4_0/Q4_1/Q8_0 blocks; the rest works from float tensors.
-        keep = int4.KEPT_QTYPES if decode_weights == "int4" else ()
+        keep = int4.KEPT_QTYPES if decode_weights in int4.BLOCK_KINDS else ()
         loaded = weights_mod.load(Path(path), keep_blocks=keep)
         self.cfg = loaded.config
         # ctx 0: the model's trained context, capped so the default KV cache stays modest.

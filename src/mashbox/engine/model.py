@@ -110,10 +110,10 @@ DECODE_MATRICES = {
 
 def decode_weight(w: Tensor, blocks: list, kind: str):
     """int4: the file's own 4-bit (or, on mashbox's kernels, Q8_0) blocks where every part
-    has them; int8 otherwise."""
-    if kind == "int4" and int4.fits(blocks):
-        return int4.Int4Weight(w, blocks)
-    if kind == "int4" and int4.fits_q8(blocks):
+    has them, int8 otherwise; int4a8: the same, 4-bit blocks taking int8 activations."""
+    if kind in int4.BLOCK_KINDS and int4.fits(blocks):
+        return int4.Int4Weight(w, blocks, int8_activations=kind == "int4a8")
+    if kind in int4.BLOCK_KINDS and int4.fits_q8(blocks):
         return int4.Q8Weight(w, blocks)
     return Int8Weight(w)
 
@@ -174,8 +174,9 @@ class Model:
         decode_weights: str = "float",
         blocks: dict | None = None,
     ):
-        """decode_weights: "float", "int8", or "int4" (the file's own Q4_0/Q4_1 or Q8_0 blocks,
-        from `blocks`, weights.RawBlocks by GGUF name; int8 for the other matrices)."""
+        """decode_weights: "float", "int8", "int4" (the file's own Q4_0/Q4_1 or Q8_0 blocks,
+        from `blocks`, weights.RawBlocks by GGUF name; int8 for the other matrices) or
+        "int4a8" (int4 with activations rounded to int8 per block of 32 for the 4-bit ones)."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -259,10 +260,13 @@ class Model:
 
     @property
     def decode_kind(self) -> str:
-        """What decode steps read, the most compact first: "int4" if any layer matrix is the
-        file's own 4-bit blocks, "q8_0" if any is its Q8_0 blocks (the rest int8 in both),
-        "int8", or "float"."""
-        kinds = {type(w) for layer in self.layers for w in layer.values()}
+        """What decode steps read, the most compact first: "int4a8" or "int4" if any layer
+        matrix is the file's own 4-bit blocks (taking int8 activations or not), "q8_0" if any
+        is its Q8_0 blocks (the rest int8 in all three), "int8", or "float"."""
+        weights = [w for layer in self.layers for w in layer.values()]
+        if any(isinstance(w, int4.Int4Weight) and w.int8_activations for w in weights):
+            return "int4a8"
+        kinds = {type(w) for w in weights}
         for cls, name in ((int4.Int4Weight, "int4"), (int4.Q8Weight, "q8_0"), (Int8Weight, "int8")):
             if cls in kinds:
                 return name
