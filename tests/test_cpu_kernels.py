@@ -108,19 +108,22 @@ def test_q8_linear_multiplies_by_the_files_weights_exactly(n, k):
     assert_reads_exactly(lambda x: kernel.q8_linear(x, qs, ds), w)
 
 
-def round_to_int8_blocks(x: torch.Tensor):
-    """What q4a8 multiplies by, as blocks_gemm.cpp's quantize_rows computes it: per block of
-    32, dx = max|x| / 127 and xq = x / dx rounded to the nearest (even) integer."""
+LIMITS = {"int8": 127, "int16": 32767}  # the largest |xq| of each activation type
+
+
+def round_blocks(x: torch.Tensor, activations: str):
+    """What q4a8 / q4a16 multiply by, as blocks_gemm.cpp's quantize_rows computes it: per block
+    of 32, dx = max|x| / LIMIT and xq = x / dx rounded to the nearest (even) integer."""
     b = x.view(x.shape[0], -1, 32)
-    dx = b.abs().amax(-1) / 127
+    dx = b.abs().amax(-1) / LIMITS[activations]
     inv = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
     return torch.round(b * inv[..., None]), dx
 
 
-def q4a8_reference(x, q, d, m):
+def rounded_reference(x, q, d, m, activations):
     """float64 of the kernel's formula: per block dx * (d * sum(q * xq)) + m * (dx * sum(xq)),
     the integer sums exact; and the magnitude of its terms, for the rounding bound."""
-    xq, dx = round_to_int8_blocks(x)
+    xq, dx = round_blocks(x, activations)
     n, k = q.shape
     qb = q.double().view(n, k // 32, 32)
     sums = torch.einsum("mbk,nbk->mnb", xq.double(), qb)  # exact: integers below 2^53
@@ -138,37 +141,47 @@ def q4_problem(n, k, seed):
     return q, d, m
 
 
+def rounded_matmul(q, d, m, activations):
+    """The kernel for `activations` on q, d, m, packed as it reads them."""
+    qs, dm = cpu_kernels.pack_q4(q, d, m)
+    if activations == "int8":
+        return lambda x: kernel.q4a8_linear(x, cpu_kernels.pack_q4a8(q), dm)
+    return lambda x: kernel.q4a16_linear(x, qs, dm)
+
+
+@pytest.mark.parametrize("activations", ["int8", "int16"])
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (64, 64), (96, 1536)])
-def test_q4a8_linear_is_the_int8_rounded_product(n, k):
-    """int8 activations per block of 32 times the file's Q4 weights: within a few float32
+def test_rounded_activations_times_q4_is_the_integer_product(n, k, activations):
+    """Activations rounded per block of 32 times the file's Q4 weights: within a few float32
     roundings a block of the exact product of those integers; a zero block stays zero; a row
     has the same bits alone and in a batch of up to 16."""
     q, d, m = q4_problem(n, k, n + k)
-    qs, dm = cpu_kernels.pack_q4a8(q), cpu_kernels.pack_q4(q, d, m)[1]
+    matmul = rounded_matmul(q, d, m, activations)
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(k)) * 3
     x[3, :32] = 0  # a block with nothing in it: dx = 0
     x[5, 32:64] *= 1e4  # an outlier block: its own scale, the other blocks unaffected
-    y = kernel.q4a8_linear(x, qs, dm)
-    ref, magnitude = q4a8_reference(x, q, d.float(), m.float())
+    y = matmul(x)
+    ref, magnitude = rounded_reference(x, q, d.float(), m.float(), activations)
     blocks = k // 32
     assert ((y.double() - ref).abs() <= (3 * blocks + 4) * 2.0**-24 * magnitude).all()
-    alone = torch.cat([kernel.q4a8_linear(x[i : i + 1], qs, dm) for i in range(16)])
+    alone = torch.cat([matmul(x[i : i + 1]) for i in range(16)])
     for rows in range(1, 17):
-        assert torch.equal(kernel.q4a8_linear(x[:rows], qs, dm), alone[:rows]), rows
+        assert torch.equal(matmul(x[:rows]), alone[:rows]), rows
 
 
-def test_q4a8_rounds_activations_as_llama_cpp_does_and_no_further():
-    """The error against float32 activations is the int8 rounding's: within half a step
-    (dx / 2) of each activation, times the weights."""
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+def test_the_error_is_the_roundings_and_no_more(activations):
+    """Against float32 activations the error is each activation's rounding (half a step,
+    dx / 2) times its weight: int16's steps are 258x finer than int8's."""
     q, d, m = q4_problem(64, 256, 7)
     w = q.float() * d.float().repeat_interleave(32, 1) + m.float().repeat_interleave(32, 1)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
-    y = kernel.q4a8_linear(x, cpu_kernels.pack_q4a8(q), cpu_kernels.pack_q4(q, d, m)[1])
-    _, dx = round_to_int8_blocks(x)
+    y = rounded_matmul(q, d, m, activations)(x)
+    _, dx = round_blocks(x, activations)
     step = dx.repeat_interleave(32, 1)  # each activation's rounding step
-    bound = (step / 2).double() @ w.double().abs().T + 1e-4
-    exact = x.double() @ w.double().T
-    assert ((y.double() - exact).abs() <= bound).all()
+    bound = (step / 2).double() @ w.double().abs().T + 1e-5
+    error = (y.double() - x.double() @ w.double().T).abs()
+    assert (error <= bound).all()
     assert not torch.equal(y, kernel.q4_linear(x, *cpu_kernels.pack_q4(q, d, m)))
 
 
@@ -186,8 +199,11 @@ def test_pack_q4a8_round_trips_and_int4a8_weights_hold_the_files_weights():
     from gguf import GGMLQuantizationType as Q
 
     w = q.float() * d.float().repeat_interleave(32, 1) + m.float().repeat_interleave(32, 1)
-    weight = Int4Weight(w, [RawBlocks(Q.Q4_1, raw)], int8_activations=True)
-    assert weight.int8_activations and weight.qs.dim() == 4
+    weight = Int4Weight(w, [RawBlocks(Q.Q4_1, raw)], activations="int8")
+    assert weight.activations == "int8" and weight.qs.dim() == 4
     assert torch.equal(weight.dequantized(), w)
     x = torch.randn(3, 128)
     assert torch.equal(weight(x), kernel.q4a8_linear(x, weight.qs, weight.dm))
+    weight = Int4Weight(w, [RawBlocks(Q.Q4_1, raw)], activations="int16")
+    assert torch.equal(weight.dequantized(), w)
+    assert torch.equal(weight(x), kernel.q4a16_linear(x, weight.qs, weight.dm))

@@ -24,6 +24,7 @@ Q = gguf.GGMLQuantizationType
 KINDS = {
     "int8": (None, None),
     "int4": (Q.Q4_1, Int4Weight),
+    "int4a16": (Q.Q4_1, Int4Weight),
     "int4a8": (Q.Q4_1, Int4Weight),
     "int4-q8": (Q.Q8_0, Q8Weight),
 }
@@ -36,6 +37,7 @@ KINDS = {
         ("qwen2", "int8"),
         ("qwen3", "int8"),
         ("llama", "int4"),
+        ("llama", "int4a16"),
         ("llama", "int4a8"),
         ("llama", "int4-q8"),
     ],  # fmt: skip

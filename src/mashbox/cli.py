@@ -53,14 +53,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--decode-weights",
-        choices=["auto", "float", "int8", "int4", "int4a8"],
+        choices=["auto", "float", "int8", "int4", "int4a16", "int4a8"],
         default="auto",
         help="what decode steps read: int4 (CPU only: the GGUF's own Q4_0/Q4_1/Q8_0 blocks, "
-        "exactly; int8 for other matrices), int4a8 (int4, the 4-bit blocks taking activations "
-        "rounded to int8 per block of 32, as llama.cpp does: faster), int8 (every matrix int8 "
-        "per channel), or float (the reference); int4a8 and int8 greedy text can part from "
-        "float's at near-ties, see README (default auto: int4 on a CPU where mashbox's "
-        "kernels build, float elsewhere)",
+        "exactly; int8 for other matrices), int4a16 / int4a8 (int4, the 4-bit blocks taking "
+        "activations rounded to int16 / int8 per block of 32: faster; int4a8 is llama.cpp's "
+        "rounding), int8 (every matrix int8 per channel), or float (the reference); int4a8 "
+        "and int8 greedy text can part from float's at near-ties, see README (default auto: "
+        "int4a16 on a CPU where mashbox's kernels build, float elsewhere)",
     )
     run.add_argument(
         "--cache-ram",

@@ -171,7 +171,7 @@ class EngineInfo:
     ctx: int  # tokens per slot this engine runs
     kv_bytes_per_token: int = 0  # K and V of one position, all layers
     decode_bytes: int = 0  # weight bytes one decode step reads
-    decode_weights: str = "float"  # what decode steps read: float, int8, int4, int4a8, q8_0
+    decode_weights: str = "float"  # float, int8, int4, int4a16, int4a8, q8_0
     compiles: int = 0  # programs compiled just in time so far (engine.compiles_so_far)
 
 

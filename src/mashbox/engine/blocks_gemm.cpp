@@ -183,22 +183,41 @@ void q8_gemm(const float* x, const int8_t* qs, const uint16_t* ds, float* y, int
 // Packed (pack_q4a8) in tiles of 32 outputs: qs[N / 32][K / 8][32][4] bytes, byte j of an
 // output's 4 holding weights 8i + j (low nibble) and 8i + 4 + j (high); dm as pack_q4's.
 
-// x[rows, K] -> xq int8 [rows, K], dx [rows, K / 32] and xs = dx * sum(xq) per block.
-static void quantize_rows(const float* x, int8_t* xq, float* dx, float* xs, int64_t rows,
-                          int64_t K) {
+// x[rows, K] -> xq [rows, K] in -LIMIT..LIMIT, dx [rows, K / 32] and xs = dx * sum(xq) per
+// block: x ~ xq * dx, dx = max|x| / LIMIT (int8: 127, int16: 32767).
+template <typename T, int LIMIT>
+static void quantize_rows(const float* x, T* xq, float* dx, float* xs, int64_t rows, int64_t K) {
   for (int64_t r = 0; r < rows * (K / BLOCK); ++r) {
     const float* p = x + r * BLOCK;
     float amax = 0.0f;
     for (int64_t k = 0; k < BLOCK; ++k) amax = std::max(amax, std::fabs(p[k]));
-    const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+    const float d = amax / static_cast<float>(LIMIT), inv = d != 0.0f ? 1.0f / d : 0.0f;
     int32_t sum = 0;
     for (int64_t k = 0; k < BLOCK; ++k) {
       const int32_t q = static_cast<int32_t>(std::nearbyint(p[k] * inv));  // to nearest even
-      xq[r * BLOCK + k] = static_cast<int8_t>(q);
+      xq[r * BLOCK + k] = static_cast<T>(q);
       sum += q;
     }
     dx[r] = d;
     xs[r] = d * static_cast<float>(sum);
+  }
+}
+
+// A block's integer sums into out: out += d * (sum * dx) + m * xs, the same order for both.
+template <int V, int MB>
+static inline void add_block_sums(const vint (&sum)[MB][V], const float* dx, const float* xs,
+                                  const uint16_t* dm, float (&out)[MB][V * LANES], int64_t b,
+                                  int64_t m0, int64_t blocks, int64_t tile_dm) {
+  UNROLL for (int v = 0; v < V; ++v) {
+    const uint16_t* s = dm + vec_offset(v, tile_dm) + b * 2 * TILE;
+    const vfloat d = from_half(s), m = from_half(s + TILE);
+    UNROLL for (int j = 0; j < MB; ++j) {
+      const int64_t at = (m0 + j) * blocks + b;
+      const vfloat qx = vmul(to_float(sum[j][v]), vbroadcast(dx + at));
+      vfloat o = vfma(d, qx, vload(out[j] + v * LANES));
+      o = vfma(m, vbroadcast(xs + at), o);
+      vstore(out[j] + v * LANES, o);
+    }
   }
 }
 
@@ -226,17 +245,7 @@ static inline void q4a8_block(const int8_t* xq, const float* dx, const float* xs
         UNROLL for (int v = 0; v < V; ++v) sum[j][v] = dot4(dot4(sum[j][v], low[v], x0), high[v], x1);
       }
     }
-    UNROLL for (int v = 0; v < V; ++v) {
-      const uint16_t* s = dm + vec_offset(v, tile_dm) + b * 2 * TILE;
-      const vfloat d = from_half(s), m = from_half(s + TILE);
-      UNROLL for (int j = 0; j < MB; ++j) {
-        const int64_t at = (m0 + j) * blocks + b;
-        const vfloat qx = vmul(to_float(sum[j][v]), vbroadcast(dx + at));
-        vfloat o = vfma(d, qx, vload(out[j] + v * LANES));
-        o = vfma(m, vbroadcast(xs + at), o);
-        vstore(out[j] + v * LANES, o);
-      }
-    }
+    add_block_sums<V, MB>(sum, dx, xs, dm, out, b, m0, blocks, tile_dm);
   }
   store<V, MB>(out, y, n0, m0, N);
 }
@@ -247,7 +256,7 @@ void q4a8_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, 
   const int64_t tile_qs = K / 2 * TILE, tile_dm = blocks * 2 * TILE;
   std::vector<int8_t> xq_(M * K);
   std::vector<float> dx_(M * blocks), xs_(M * blocks);
-  quantize_rows(x, xq_.data(), dx_.data(), xs_.data(), M, K);
+  quantize_rows<int8_t, 127>(x, xq_.data(), dx_.data(), xs_.data(), M, K);
   const int8_t* xq = xq_.data();
   const float *dx = dx_.data(), *xs = xs_.data();
   over_tiles(
@@ -272,6 +281,69 @@ void q4a8_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, 
                              t * TILE + v0 * LANES, m, K, N);
         for (; M - m >= 2; m += 2) q4a8_block<VPT, 2>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
         if (M - m == 1) q4a8_block<VPT, 1>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
+      });
+}
+
+// ---- Q4 x int16 activations (q4a16) --------------------------------------------------------
+// As q4a8 with activations in int16 per block (dx = max|x| / 32767) and pack_q4's layout:
+// each lane holds an output's weights k and k + 1 as two words (nibble_words), times the
+// row's xq[k], xq[k + 1] (dot2). Block sums stay below 32 * 15 * 32767 < 2^31.
+
+template <int V, int MB>
+static inline void q4a16_block(const int16_t* xq, const float* dx, const float* xs,
+                               const uint8_t* qs, const uint16_t* dm, float* y, int64_t n0,
+                               int64_t m0, int64_t K, int64_t N) {
+  const int64_t blocks = K / BLOCK, tile_qs = K / 2 * TILE, tile_dm = blocks * 2 * TILE;
+  alignas(64) float out[MB][V * LANES] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    vint sum[MB][V];
+    UNROLL for (int j = 0; j < MB; ++j)
+      UNROLL for (int v = 0; v < V; ++v) sum[j][v] = vzero_int();
+    UNROLL for (int64_t kp = 0; kp < BLOCK / 2; ++kp) {
+      const int64_t k = b * BLOCK + 2 * kp;
+      vint w[V];
+      UNROLL for (int v = 0; v < V; ++v) w[v] = nibble_words(qs + vec_offset(v, tile_qs) + k / 2 * TILE);
+      UNROLL for (int j = 0; j < MB; ++j) {
+        const vint x = broadcast2(xq + (m0 + j) * K + k);
+        UNROLL for (int v = 0; v < V; ++v) sum[j][v] = dot2(sum[j][v], w[v], x);
+      }
+    }
+    add_block_sums<V, MB>(sum, dx, xs, dm, out, b, m0, blocks, tile_dm);
+  }
+  store<V, MB>(out, y, n0, m0, N);
+}
+
+void q4a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
+                int64_t K, int64_t N) {
+  const int64_t blocks = K / BLOCK, tiles = N / TILE;
+  const int64_t tile_qs = K / 2 * TILE, tile_dm = blocks * 2 * TILE;
+  std::vector<int16_t> xq_(M * K);
+  std::vector<float> dx_(M * blocks), xs_(M * blocks);
+  quantize_rows<int16_t, 32767>(x, xq_.data(), dx_.data(), xs_.data(), M, K);
+  const int16_t* xq = xq_.data();
+  const float *dx = dx_.data(), *xs = xs_.data();
+  over_tiles(
+      M, tiles,
+      [&](int64_t t) {
+        q4a16_block<2 * VPT, 1>(xq, dx, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0,
+                                K, N);
+      },
+      [&](int64_t t) {
+        q4a16_block<VPT, 1>(xq, dx, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0, K,
+                            N);
+      },
+      [&](int64_t t) {
+        const uint8_t* q = qs + t * tile_qs;
+        const uint16_t* s = dm + t * tile_dm;
+        int64_t m = 0;
+        if constexpr (ACCUMULATORS >= 16)  // 8 rows x a whole tile: weights unpacked once
+          for (; M - m >= 8; m += 8) q4a16_block<VPT, 8>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
+        for (; M - m >= 4; m += 4)
+          for (int v0 = 0; v0 < VPT; v0 += 2)
+            q4a16_block<2, 4>(xq, dx, xs, q + v0 * LANES, s + v0 * LANES, y,
+                              t * TILE + v0 * LANES, m, K, N);
+        for (; M - m >= 2; m += 2) q4a16_block<VPT, 2>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
+        if (M - m == 1) q4a16_block<VPT, 1>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
       });
 }
 
@@ -313,5 +385,18 @@ torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
   auto y = torch::empty({M, N}, x.options());
   q4a8_gemm(x.data_ptr<float>(), qs.data_ptr<uint8_t>(),
             reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), M, K, N);
+  return y;
+}
+
+torch::Tensor q4a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
+  TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kByte && dm.dtype() == torch::kHalf);
+  TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && dm.is_contiguous());
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE;
+  TORCH_CHECK(K % BLOCK == 0 && qs.dim() == 3 && qs.size(1) * 2 == K && qs.size(2) == TILE &&
+              dm.dim() == 4 && dm.size(0) == qs.size(0) && dm.size(1) * BLOCK == K,
+              "qs/dm must be packed by pack_q4 for K = ", K);
+  auto y = torch::empty({M, N}, x.options());
+  q4a16_gemm(x.data_ptr<float>(), qs.data_ptr<uint8_t>(),
+             reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), M, K, N);
   return y;
 }

@@ -62,6 +62,25 @@ static inline vint dot4(vint acc, vint u, vint s) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
 #endif
 }
+// Int16 dot products (q4a16): 2 words a lane. dot2 adds a[2i] * b[2i] + a[2i+1] * b[2i+1]
+// to lane i, exactly (vpdpwssd, or vpmaddwd and an add: the same sum).
+static inline vint dot2(vint acc, vint a, vint b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+static inline vint broadcast2(const int16_t* p) {
+  return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+}
+// LANES bytes of pack_q4 (weights k and k + 1 of an output, low nibble first) as lanes of two
+// int16 words, k's then k + 1's: (b | b << 12) & 0x000F000F in one ternary op.
+static inline vint nibble_words(const uint8_t* p) {
+  const vint b = widen_u8(p);
+  return _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000F000F),
+                                   0xA8);  // (A | B) & C
+}
 #else
 constexpr int LANES = 8;
 using vfloat = __m256;
@@ -109,6 +128,21 @@ static inline vint dot4(vint acc, vint u, vint s) {
   const __m256i pairs = _mm256_maddubs_epi16(u, s);
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
+}
+static inline vint dot2(vint acc, vint a, vint b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+static inline vint broadcast2(const int16_t* p) {
+  return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+}
+static inline vint nibble_words(const uint8_t* p) {
+  const vint b = widen_u8(p);
+  return _mm256_and_si256(_mm256_or_si256(b, _mm256_slli_epi32(b, 12)),
+                          _mm256_set1_epi32(0x000F000F));
 }
 #endif
 constexpr int TILE_LANES = 32;            // outputs per packed tile (cpu_kernels.TILE)
@@ -167,7 +201,12 @@ void q8_gemm(const float* x, const int8_t* qs, const uint16_t* d, float* y, int6
 // Q8_1), exact integer dot products: qs packed by pack_q4a8, dm as pack_q4's.
 void q4a8_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
                int64_t K, int64_t N);
+// The same with int16 activations per block (dx = max|x| / 32767: ~256x finer than int8,
+// near float32) and pack_q4's layout: q4_gemm's weights, integer dot products.
+void q4a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
+                int64_t K, int64_t N);
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
 torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
+torch::Tensor q4a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);

@@ -109,6 +109,7 @@ static void attend(const float* q, const float* k, const float* v, float* out, i
 // m; 4-dim qs: for int8 activations) or Q8_0 blocks (int8 qs, fp16 d: blocks_gemm.cpp).
 struct Mat {
   torch::Tensor a, b;
+  int64_t q4_activation_bits = 32;  // what Q4 blocks multiply: float32, int16 or int8 x
   bool int8() const { return b.scalar_type() == torch::kFloat; }
   bool q4() const { return a.scalar_type() == torch::kByte; }
   bool q4a8() const { return q4() && a.dim() == 4; }  // pack_q4a8's [N/32][K/8][32][4]
@@ -122,6 +123,8 @@ struct Mat {
     const auto* scales = reinterpret_cast<const uint16_t*>(b.data_ptr<at::Half>());
     if (q4a8())
       q4a8_gemm(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n());
+    else if (q4() && q4_activation_bits == 16)
+      q4a16_gemm(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n());
     else if (q4())
       q4_gemm(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n());
     else
@@ -142,17 +145,19 @@ class DecodeStack {
  public:
   // Each layer: attn_norm, wqkv (2 tensors), bqkv, q_norm, k_norm, wo (2), ffn_norm,
   // gate_up (2), down (2), each matrix int8, Q4 or Q8_0 (Mat); empty tensors where absent.
+  // q4_activation_bits: 16 for Q4 matrices in pack_q4's layout to take int16 activations.
   DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, torch::Tensor final_norm,
               torch::Tensor cos, torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
-              int64_t head_dim, double eps)
+              int64_t head_dim, double eps, int64_t q4_activation_bits)
       : final_norm_(final_norm), cos_(cos), sin_(sin), n_heads_(n_heads),
         n_kv_heads_(n_kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)) {
     TORCH_CHECK(head_dim % 8 == 0 && cos.size(1) * 2 == head_dim);
+    const int64_t bits = q4_activation_bits;
     for (const auto& t : layers) {
       TORCH_CHECK(t.size() == 13, "13 tensors a layer");
       for (const auto& x : t) TORCH_CHECK(x.is_contiguous() && x.device().is_cpu());
-      layers_.push_back({t[0], t[3], t[4], t[5], t[8], {t[1], t[2]}, {t[6], t[7]},
-                         {t[9], t[10]}, {t[11], t[12]}});
+      layers_.push_back({t[0], t[3], t[4], t[5], t[8], {t[1], t[2], bits}, {t[6], t[7], bits},
+                         {t[9], t[10], bits}, {t[11], t[12], bits}});
     }
   }
 
@@ -246,8 +251,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "y = x . W^T, W a GGUF's 4-bit blocks packed by pack_q4");
   m.def("q8_linear", &q8_linear, "y = x . W^T, W a GGUF's Q8_0 blocks packed by pack_q8");
   m.def("q4a8_linear", &q4a8_linear, "q4_linear with x rounded to int8 per block of 32");
+  m.def("q4a16_linear", &q4a16_linear, "q4_linear with x rounded to int16 per block of 32");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, torch::Tensor,
-                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double>())
+                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double,
+                          int64_t>())
       .def("forward", &DecodeStack::forward);
 }

@@ -45,14 +45,16 @@ DEFAULT_MAX_CTX = 8192
 
 
 def resolve_decode_weights(kind: str, device: str) -> str:
-    """ "auto": on a CPU where mashbox's kernels build, int4 (the file's own Q4_0/Q4_1/Q8_0
-    blocks where it has them, int8 for other matrices; a whole decode step in one call, ~9x
-    float32 here); float elsewhere (bf16 on an accelerator). Not int4a8, faster still: its
-    int8 activations, as llama.cpp's, turn the default model's answer to "What is the capital
-    of France?" from Paris into "L'Étoile, la Marseillaise, ..." (llama-server's answer too)."""
+    """ "auto": on a CPU where mashbox's kernels build, int4a16 (the file's own Q4_0/Q4_1/Q8_0
+    blocks where it has them, int8 for other matrices, the 4-bit ones taking activations
+    rounded to int16 per block of 32: greedy text as float32's on the test prompts; a whole
+    decode step in one call, ~10x float32 here); float elsewhere (bf16 on an accelerator).
+    Not int4a8, faster still: its int8 activations, as llama.cpp's, turn the default model's
+    answer to "What is the capital of France?" from Paris into "L'Étoile, la Marseillaise,
+    ..." (llama-server's answer too)."""
     if kind != "auto":
         return kind
-    return "int4" if torch.device(device).type == "cpu" and cpu_kernels.load() else "float"
+    return "int4a16" if torch.device(device).type == "cpu" and cpu_kernels.load() else "float"
 
 
 def compiles_so_far() -> int:

@@ -24,7 +24,10 @@ from .weights import RawBlocks
 GROUP = 32  # the GGUF block: one kernel group
 EXACT_QTYPES = (Q.Q4_0, Q.Q4_1)
 KEPT_QTYPES = (*EXACT_QTYPES, Q.Q8_0)  # the blocks an int4 engine loads as stored
-BLOCK_KINDS = ("int4", "int4a8")  # decode weights that read those blocks
+# Decode weights that read those blocks, and what their 4-bit matrices multiply: float32
+# activations, or activations rounded per block of 32 to int16 (near float32) or int8.
+BLOCK_KINDS = {"int4": "float", "int4a16": "int16", "int4a8": "int8"}
+ACTIVATION_BITS = {"float": 32, "int16": 16, "int8": 8}
 INT4_MAX_ROWS = 16  # up to this many rows (decode batches) use torch's int4 kernel
 # and mashbox's block kernels, short prefill chunks too: on the AVX-512 host they beat
 # float32 sgemm at 24 rows (1.35x) and 48 (1.12x), not from ~96 (bench in docs/NOTES.md).
@@ -61,12 +64,12 @@ class Int4Weight:
 
     def __init__(
         self, w: Tensor, blocks: list[RawBlocks], dtype=torch.bfloat16, ours=True,
-        int8_activations=False,
+        activations="float",
     ):  # fmt: skip
         """`blocks`: the parts of w (e.g. q, k, v) in order. mashbox's kernel where it builds
-        and `ours` (with `int8_activations`, the q4a8 one: activations rounded to int8 per
-        block of 32); else torch's, with activations and scales in `dtype` (bf16 is its fast
-        one; float32 is exact but takes a scalar path)."""
+        and `ours`, taking `activations` float32, or rounded per block of 32 to "int16"
+        (q4a16) or "int8" (q4a8); else torch's, with activations and scales in `dtype` (bf16
+        is its fast one; float32 is exact but takes a scalar path)."""
         if w.device.type != "cpu":
             raise ValueError("int4 decode weights run on the CPU only")
         parts = [unpack(b) for b in blocks]
@@ -76,10 +79,10 @@ class Int4Weight:
         self.w = w
         self.dtype = dtype
         self.kernel = cpu_kernels.load() if ours and q.shape[0] % cpu_kernels.TILE == 0 else None
-        self.int8_activations = int8_activations and self.kernel is not None
+        self.activations = activations if self.kernel is not None else "float"
         if self.kernel is not None:
             self.qs, self.dm = cpu_kernels.pack_q4(q, d, m)
-            if self.int8_activations:
+            if self.activations == "int8":
                 self.qs = cpu_kernels.pack_q4a8(q)
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
@@ -96,7 +99,8 @@ class Int4Weight:
         if x.shape[0] > self.max_rows:
             return F.linear(x, self.w, bias)
         if self.kernel is not None:
-            f = self.kernel.q4a8_linear if self.int8_activations else self.kernel.q4_linear
+            kernels = {"int8": "q4a8_linear", "int16": "q4a16_linear", "float": "q4_linear"}
+            f = getattr(self.kernel, kernels[self.activations])
             y = f(x.float().contiguous(), self.qs, self.dm).to(x.dtype)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -114,7 +118,7 @@ class Int4Weight:
         """The weights the kernel multiplies by, [N, K] (x = identity): float32 from ours,
         self.dtype from torch's."""
         k = self.w.shape[1]
-        if self.int8_activations:  # from the packed tensors (x = identity would round)
+        if self.activations == "int8":  # from the packed tensors (x = identity would round)
             dm = self.dm.permute(0, 3, 1, 2).reshape(-1, k // GROUP, 2).float()
             q = cpu_kernels.unpack_q4a8(self.qs).float().view(-1, k // GROUP, GROUP)
             return (q * dm[..., :1] + dm[..., 1:]).reshape(-1, k)

@@ -110,9 +110,10 @@ DECODE_MATRICES = {
 
 def decode_weight(w: Tensor, blocks: list, kind: str):
     """int4: the file's own 4-bit (or, on mashbox's kernels, Q8_0) blocks where every part
-    has them, int8 otherwise; int4a8: the same, 4-bit blocks taking int8 activations."""
+    has them, int8 otherwise; int4a16 / int4a8: the same, the 4-bit blocks taking int16 /
+    int8 activations."""
     if kind in int4.BLOCK_KINDS and int4.fits(blocks):
-        return int4.Int4Weight(w, blocks, int8_activations=kind == "int4a8")
+        return int4.Int4Weight(w, blocks, activations=int4.BLOCK_KINDS[kind])
     if kind in int4.BLOCK_KINDS and int4.fits_q8(blocks):
         return int4.Q8Weight(w, blocks)
     return Int8Weight(w)
@@ -175,8 +176,9 @@ class Model:
         blocks: dict | None = None,
     ):
         """decode_weights: "float", "int8", "int4" (the file's own Q4_0/Q4_1 or Q8_0 blocks,
-        from `blocks`, weights.RawBlocks by GGUF name; int8 for the other matrices) or
-        "int4a8" (int4 with activations rounded to int8 per block of 32 for the 4-bit ones)."""
+        from `blocks`, weights.RawBlocks by GGUF name; int8 for the other matrices), "int4a16"
+        or "int4a8" (int4 with activations rounded per block of 32 to int16 or int8 for the
+        4-bit ones)."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -245,6 +247,8 @@ class Model:
         )
         if not usable:
             return None
+        int4_weights = [w for w in self.layers[0].values() if isinstance(w, int4.Int4Weight)]
+        bits = int4.ACTIVATION_BITS[int4_weights[0].activations] if int4_weights else 32
         absent = torch.empty(0)
         layers = [
             [w["attn_norm"], *w["wqkv"].decode_tensors]
@@ -255,17 +259,19 @@ class Model:
         ]
         return cpu_kernels.load().DecodeStack(
             layers, self.final_norm, self.cos, self.sin,
-            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps,
+            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, bits,
         )  # fmt: skip
 
     @property
     def decode_kind(self) -> str:
-        """What decode steps read, the most compact first: "int4a8" or "int4" if any layer
-        matrix is the file's own 4-bit blocks (taking int8 activations or not), "q8_0" if any
-        is its Q8_0 blocks (the rest int8 in all three), "int8", or "float"."""
+        """What decode steps read, the most compact first: "int4" (or "int4a16", "int4a8",
+        by what they multiply) if any layer matrix is the file's own 4-bit blocks, "q8_0" if
+        any is its Q8_0 blocks (the rest int8 in all), "int8", or "float"."""
         weights = [w for layer in self.layers for w in layer.values()]
-        if any(isinstance(w, int4.Int4Weight) and w.int8_activations for w in weights):
-            return "int4a8"
+        for w in weights:
+            if isinstance(w, int4.Int4Weight):
+                by_activations = {a: kind for kind, a in int4.BLOCK_KINDS.items()}
+                return by_activations[w.activations]
         kinds = {type(w) for w in weights}
         for cls, name in ((int4.Int4Weight, "int4"), (int4.Q8Weight, "q8_0"), (Int8Weight, "int8")):
             if cls in kinds:
