@@ -235,14 +235,17 @@ static inline void q4a8_block(const int8_t* xq, const float* dx, const float* xs
       const int64_t k = b * BLOCK + 8 * i;
       vint low[V], high[V];  // weights k..k+3 and k+4..k+7 of LANES outputs
       UNROLL for (int v = 0; v < V; ++v) {
-        const vint w = vload_bytes(qs + (v / VPT) * tile_qs + k / 8 * TILE * 4 + (v % VPT) * LANES * 4);
+        // 4 bytes an output: vector v's lanes start 4 * LANES * (v % VPT) bytes in its tile.
+        const int64_t at = (v / VPT) * tile_qs + (k / 8 * TILE + (v % VPT) * LANES) * 4;
+        const vint w = vload_bytes(qs + at);
         low[v] = low_nibbles(w);
         high[v] = high_nibbles(w);
       }
       UNROLL for (int j = 0; j < MB; ++j) {
         const int8_t* row = xq + (m0 + j) * K + k;
         const vint x0 = broadcast4(row), x1 = broadcast4(row + 4);
-        UNROLL for (int v = 0; v < V; ++v) sum[j][v] = dot4(dot4(sum[j][v], low[v], x0), high[v], x1);
+        UNROLL for (int v = 0; v < V; ++v)
+          sum[j][v] = dot4(dot4(sum[j][v], low[v], x0), high[v], x1);
       }
     }
     add_block_sums<V, MB>(sum, dx, xs, dm, out, b, m0, blocks, tile_dm);
@@ -302,7 +305,8 @@ static inline void q4a16_block(const int16_t* xq, const float* dx, const float* 
     UNROLL for (int64_t kp = 0; kp < BLOCK / 2; ++kp) {
       const int64_t k = b * BLOCK + 2 * kp;
       vint w[V];
-      UNROLL for (int v = 0; v < V; ++v) w[v] = nibble_words(qs + vec_offset(v, tile_qs) + k / 2 * TILE);
+      UNROLL for (int v = 0; v < V; ++v)
+        w[v] = nibble_words(qs + vec_offset(v, tile_qs) + k / 2 * TILE);
       UNROLL for (int j = 0; j < MB; ++j) {
         const vint x = broadcast2(xq + (m0 + j) * K + k);
         UNROLL for (int v = 0; v < V; ++v) sum[j][v] = dot2(sum[j][v], w[v], x);
@@ -347,17 +351,37 @@ void q4a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y,
       });
 }
 
-torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
+using Q4Gemm = void (*)(const float*, const uint8_t*, const uint16_t*, float*, int64_t, int64_t,
+                        int64_t);
+
+// y = x . W^T by one of the Q4 kernels, after checking qs and dm are what it reads: pack_q4's
+// qs [N / 32][K / 2][32] (a8 = false) or pack_q4a8's [N / 32][K / 8][32][4], dm pack_q4's.
+static torch::Tensor q4_call(Q4Gemm gemm, bool a8, torch::Tensor x, torch::Tensor qs,
+                             torch::Tensor dm) {
   TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kByte && dm.dtype() == torch::kHalf);
   TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && dm.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE;
-  TORCH_CHECK(K % BLOCK == 0 && qs.dim() == 3 && qs.size(1) * 2 == K && qs.size(2) == TILE &&
-              dm.dim() == 4 && dm.size(0) == qs.size(0) && dm.size(1) * BLOCK == K,
-              "qs/dm must be packed by pack_q4 for K = ", K);
+  const bool layout = a8 ? qs.dim() == 4 && qs.size(1) * 8 == K && qs.size(3) == 4
+                         : qs.dim() == 3 && qs.size(1) * 2 == K;
+  TORCH_CHECK(K % BLOCK == 0 && layout && qs.size(2) == TILE && dm.dim() == 4 &&
+              dm.size(0) == qs.size(0) && dm.size(1) * BLOCK == K,
+              "qs/dm must be packed by ", a8 ? "pack_q4a8" : "pack_q4", " for K = ", K);
   auto y = torch::empty({M, N}, x.options());
-  q4_gemm(x.data_ptr<float>(), qs.data_ptr<uint8_t>(),
-          reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), M, K, N);
+  gemm(x.data_ptr<float>(), qs.data_ptr<uint8_t>(),
+       reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), M, K, N);
   return y;
+}
+
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
+  return q4_call(q4_gemm, false, x, qs, dm);
+}
+
+torch::Tensor q4a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
+  return q4_call(q4a16_gemm, false, x, qs, dm);
+}
+
+torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
+  return q4_call(q4a8_gemm, true, x, qs, dm);
 }
 
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
@@ -370,33 +394,5 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
   auto y = torch::empty({M, N}, x.options());
   q8_gemm(x.data_ptr<float>(), qs.data_ptr<int8_t>(),
           reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), y.data_ptr<float>(), M, K, N);
-  return y;
-}
-
-
-torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
-  TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kByte && dm.dtype() == torch::kHalf);
-  TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && dm.is_contiguous());
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE;
-  TORCH_CHECK(K % BLOCK == 0 && qs.dim() == 4 && qs.size(1) * 8 == K && qs.size(2) == TILE &&
-              qs.size(3) == 4 && dm.dim() == 4 && dm.size(0) == qs.size(0) &&
-              dm.size(1) * BLOCK == K,
-              "qs/dm must be packed by pack_q4a8 for K = ", K);
-  auto y = torch::empty({M, N}, x.options());
-  q4a8_gemm(x.data_ptr<float>(), qs.data_ptr<uint8_t>(),
-            reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), M, K, N);
-  return y;
-}
-
-torch::Tensor q4a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
-  TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kByte && dm.dtype() == torch::kHalf);
-  TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && dm.is_contiguous());
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE;
-  TORCH_CHECK(K % BLOCK == 0 && qs.dim() == 3 && qs.size(1) * 2 == K && qs.size(2) == TILE &&
-              dm.dim() == 4 && dm.size(0) == qs.size(0) && dm.size(1) * BLOCK == K,
-              "qs/dm must be packed by pack_q4 for K = ", K);
-  auto y = torch::empty({M, N}, x.options());
-  q4a16_gemm(x.data_ptr<float>(), qs.data_ptr<uint8_t>(),
-             reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), M, K, N);
   return y;
 }
