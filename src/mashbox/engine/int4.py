@@ -32,6 +32,9 @@ INT4_MAX_ROWS = 16  # up to this many rows (decode batches) use torch's int4 ker
 # and mashbox's block kernels, short prefill chunks too: on the AVX-512 host they beat
 # float32 sgemm at 24 rows (1.35x) and 48 (1.12x), not from ~96 (bench in docs/NOTES.md).
 BLOCKS_MAX_ROWS = 48
+# By what the Q4 blocks multiply: int16 activations beat sgemm by 1.55x at 64 rows and
+# 1.32x at 96 (par from 128), int8 by 1.4-3.6x up to 256 (docs/NOTES.md, 2026-12-01).
+Q4_MAX_ROWS = {"float": BLOCKS_MAX_ROWS, "int16": 96, "int8": 256}
 
 
 def fits(blocks: list[RawBlocks | None]) -> bool:
@@ -93,7 +96,7 @@ class Int4Weight:
     @property
     def max_rows(self) -> int:
         """Rows up to which a call uses the int4 weights; more take the float path."""
-        return BLOCKS_MAX_ROWS if self.kernel is not None else INT4_MAX_ROWS
+        return Q4_MAX_ROWS[self.activations] if self.kernel is not None else INT4_MAX_ROWS
 
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         if x.shape[0] > self.max_rows:
