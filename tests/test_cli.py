@@ -38,6 +38,12 @@ def test_unknown_model_id():
     assert "unknown model 'no-such-model'" in line and "smollm2-135m-instruct" in line
 
 
+def test_a_negative_cache_ram_is_refused_naming_the_flag():
+    result = run_cli("run", "--cache-ram", "-1", "--port", "0")
+    assert result.returncode == 2
+    assert "--cache-ram must be 0 (off) or more MiB" in result.stderr
+
+
 def test_missing_file(tmp_path):
     result = run_cli("run", str(tmp_path / "absent.gguf"), "--port", "0")
     assert result.returncode == 1

@@ -6,9 +6,10 @@
   in float32 (closer to the float path) and sums every output in one order, so a row's bits
   do not depend on the batch.
 - `blocks_gemm.cpp`: the same with a GGUF file's own Q4_0/Q4_1 and Q8_0 blocks read as
-  stored (packed by `pack_q4` / `pack_q8`): the file's weights exactly. And `q4a8`: the Q4
-  blocks (packed by `pack_q4a8`) with activations rounded to int8 per block of 32, as
-  llama.cpp does, for integer dot products (VNNI): ~2-3x the float32-activation kernel.
+  stored (packed by `pack_q4` / `pack_q8`): the file's weights exactly. And `q4a16` /
+  `q4a8`: the Q4 blocks (`q4a8` packed by `pack_q4a8`) with activations rounded per block
+  of 32 to int16 / int8 (llama.cpp's rounding), for exact integer dot products (VNNI where
+  there is): ~1.2-1.7x / ~1.8-2.4x the float32-activation kernel.
 - `decode_layers.cpp`: `DecodeStack`, a whole decode step (every layer) in one call, with
   no torch op dispatch per norm, RoPE or residual.
 

@@ -100,7 +100,7 @@ class Engine:
         """graph_decode: decode as fixed-shape steps, CUDA graphs on a GPU (graph_decode.py);
         None: as $MASHBOX_GRAPH_DECODE says, else on CUDA with float decode weights."""
         decode_weights = resolve_decode_weights(decode_weights, device)
-        # int4 loads the file's own Q4_0/Q4_1/Q8_0 blocks; the rest works from float tensors.
+        # The int4 kinds load the file's own Q4_0/Q4_1/Q8_0 blocks; the rest use float tensors.
         keep = int4.KEPT_QTYPES if decode_weights in int4.BLOCK_KINDS else ()
         loaded = weights_mod.load(Path(path), keep_blocks=keep)
         self.cfg = loaded.config

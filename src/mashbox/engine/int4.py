@@ -3,8 +3,9 @@ mashbox's kernels, its Q8_0 blocks the same way: `Q8Weight`).
 
 A Q4_1 block is 32 weights w = q * d + m (q in 0..15, d and m fp16); a Q4_0 block is
 w = (q - 8) * d, that is m = -8 d. Two kernels read them:
-- mashbox's (blocks_gemm.cpp, where the CPU kernels build): q, d and m as stored, float32
-  activations; the file's weights exactly, the fastest decode path here.
+- mashbox's (blocks_gemm.cpp, where the CPU kernels build): q, d and m as stored, times
+  float32 activations, or activations rounded per block of 32 to int16 or int8 for exact
+  integer dot products (faster; int8 is llama.cpp's rounding): the file's weights exactly.
 - torch's `_weight_int4pack_mm_for_cpu`, which computes w = (q - 8) * scale + zero per group
   of 32: scale = d, zero = m + 8 d. In float32 that is exact whenever m + 8 d is (every
   block of SmolLM2), but the kernel is only fast with bf16 activations, and its scales must
@@ -27,7 +28,9 @@ KEPT_QTYPES = (*EXACT_QTYPES, Q.Q8_0)  # the blocks an int4 engine loads as stor
 # Decode weights that read those blocks, and what their 4-bit matrices multiply: float32
 # activations, or activations rounded per block of 32 to int16 (near float32) or int8.
 BLOCK_KINDS = {"int4": "float", "int4a16": "int16", "int4a8": "int8"}
+KIND_OF_ACTIVATIONS = {activations: kind for kind, activations in BLOCK_KINDS.items()}
 ACTIVATION_BITS = {"float": 32, "int16": 16, "int8": 8}
+KERNELS = {"float": "q4_linear", "int16": "q4a16_linear", "int8": "q4a8_linear"}
 INT4_MAX_ROWS = 16  # up to this many rows (decode batches) use torch's int4 kernel
 # and mashbox's block kernels, short prefill chunks too: on the AVX-512 host they beat
 # float32 sgemm at 24 rows (1.35x) and 48 (1.12x), not from ~96 (bench in docs/NOTES.md).
@@ -102,9 +105,8 @@ class Int4Weight:
         if x.shape[0] > self.max_rows:
             return F.linear(x, self.w, bias)
         if self.kernel is not None:
-            kernels = {"int8": "q4a8_linear", "int16": "q4a16_linear", "float": "q4_linear"}
-            f = getattr(self.kernel, kernels[self.activations])
-            y = f(x.float().contiguous(), self.qs, self.dm).to(x.dtype)
+            matmul = getattr(self.kernel, KERNELS[self.activations])
+            y = matmul(x.float().contiguous(), self.qs, self.dm).to(x.dtype)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(self.dtype), self.packed, GROUP, self.scales_and_zeros

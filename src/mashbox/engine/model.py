@@ -268,12 +268,11 @@ class Model:
         by what they multiply) if any layer matrix is the file's own 4-bit blocks, "q8_0" if
         any is its Q8_0 blocks (the rest int8 in all), "int8", or "float"."""
         weights = [w for layer in self.layers for w in layer.values()]
-        for w in weights:
-            if isinstance(w, int4.Int4Weight):
-                by_activations = {a: kind for kind, a in int4.BLOCK_KINDS.items()}
-                return by_activations[w.activations]
+        int4_weights = [w for w in weights if isinstance(w, int4.Int4Weight)]
+        if int4_weights:  # one kind for the whole model
+            return int4.KIND_OF_ACTIVATIONS[int4_weights[0].activations]
         kinds = {type(w) for w in weights}
-        for cls, name in ((int4.Int4Weight, "int4"), (int4.Q8Weight, "q8_0"), (Int8Weight, "int8")):
+        for cls, name in ((int4.Q8Weight, "q8_0"), (Int8Weight, "int8")):
             if cls in kinds:
                 return name
         return "float"
