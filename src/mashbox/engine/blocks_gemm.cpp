@@ -253,40 +253,6 @@ static inline void q4a8_block(const int8_t* xq, const float* dx, const float* xs
   store<V, MB>(out, y, n0, m0, N);
 }
 
-void q4a8_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
-               int64_t K, int64_t N) {
-  const int64_t blocks = K / BLOCK, tiles = N / TILE;
-  const int64_t tile_qs = K / 2 * TILE, tile_dm = blocks * 2 * TILE;
-  std::vector<int8_t> xq_(M * K);
-  std::vector<float> dx_(M * blocks), xs_(M * blocks);
-  quantize_rows<int8_t, 127>(x, xq_.data(), dx_.data(), xs_.data(), M, K);
-  const int8_t* xq = xq_.data();
-  const float *dx = dx_.data(), *xs = xs_.data();
-  over_tiles(
-      M, tiles,
-      [&](int64_t t) {
-        q4a8_block<2 * VPT, 1>(xq, dx, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0,
-                               K, N);
-      },
-      [&](int64_t t) {
-        q4a8_block<VPT, 1>(xq, dx, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0, K,
-                           N);
-      },
-      [&](int64_t t) {
-        const uint8_t* q = qs + t * tile_qs;
-        const uint16_t* s = dm + t * tile_dm;
-        int64_t m = 0;
-        if constexpr (ACCUMULATORS >= 16)  // 8 rows x a whole tile: weights unpacked once
-          for (; M - m >= 8; m += 8) q4a8_block<VPT, 8>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
-        for (; M - m >= 4; m += 4)
-          for (int v0 = 0; v0 < VPT; v0 += 2)
-            q4a8_block<2, 4>(xq, dx, xs, q + v0 * LANES * 4, s + v0 * LANES, y,
-                             t * TILE + v0 * LANES, m, K, N);
-        for (; M - m >= 2; m += 2) q4a8_block<VPT, 2>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
-        if (M - m == 1) q4a8_block<VPT, 1>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
-      });
-}
-
 // ---- Q4 x int16 activations (q4a16) --------------------------------------------------------
 // As q4a8 with activations in int16 per block (dx = max|x| / 32767) and pack_q4's layout:
 // each lane holds an output's weights k and k + 1 as two words (nibble_words), times the
@@ -317,38 +283,67 @@ static inline void q4a16_block(const int16_t* xq, const float* dx, const float* 
   store<V, MB>(out, y, n0, m0, N);
 }
 
-void q4a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
-                int64_t K, int64_t N) {
+// The row kinds of rounded_q4_gemm: the activation type and bound, the bytes of qs one
+// output takes per packed row (pack_q4a8's 4 weights a lane; pack_q4's 2 a byte), the block.
+struct Int8Rows {
+  using T = int8_t;
+  static constexpr int LIMIT = 127, LANE_BYTES = 4;
+  template <int V, int MB, typename... A>
+  static void block(A... a) { q4a8_block<V, MB>(a...); }
+};
+struct Int16Rows {
+  using T = int16_t;
+  static constexpr int LIMIT = 32767, LANE_BYTES = 1;
+  template <int V, int MB, typename... A>
+  static void block(A... a) { q4a16_block<V, MB>(a...); }
+};
+
+// Round x per block (quantize_rows), then spread the tiles as q4_gemm does.
+template <typename Rows>
+static void rounded_q4_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y,
+                            int64_t M, int64_t K, int64_t N) {
   const int64_t blocks = K / BLOCK, tiles = N / TILE;
   const int64_t tile_qs = K / 2 * TILE, tile_dm = blocks * 2 * TILE;
-  std::vector<int16_t> xq_(M * K);
+  std::vector<typename Rows::T> xq_(M * K);
   std::vector<float> dx_(M * blocks), xs_(M * blocks);
-  quantize_rows<int16_t, 32767>(x, xq_.data(), dx_.data(), xs_.data(), M, K);
-  const int16_t* xq = xq_.data();
+  quantize_rows<typename Rows::T, Rows::LIMIT>(x, xq_.data(), dx_.data(), xs_.data(), M, K);
+  const typename Rows::T* xq = xq_.data();
   const float *dx = dx_.data(), *xs = xs_.data();
   over_tiles(
       M, tiles,
       [&](int64_t t) {
-        q4a16_block<2 * VPT, 1>(xq, dx, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0,
-                                K, N);
+        Rows::template block<2 * VPT, 1>(xq, dx, xs, qs + t * tile_qs, dm + t * tile_dm, y,
+                                         t * TILE, int64_t{0}, K, N);
       },
       [&](int64_t t) {
-        q4a16_block<VPT, 1>(xq, dx, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0, K,
-                            N);
+        Rows::template block<VPT, 1>(xq, dx, xs, qs + t * tile_qs, dm + t * tile_dm, y,
+                                     t * TILE, int64_t{0}, K, N);
       },
       [&](int64_t t) {
         const uint8_t* q = qs + t * tile_qs;
         const uint16_t* s = dm + t * tile_dm;
         int64_t m = 0;
         if constexpr (ACCUMULATORS >= 16)  // 8 rows x a whole tile: weights unpacked once
-          for (; M - m >= 8; m += 8) q4a16_block<VPT, 8>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
+          for (; M - m >= 8; m += 8)
+            Rows::template block<VPT, 8>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
         for (; M - m >= 4; m += 4)
           for (int v0 = 0; v0 < VPT; v0 += 2)
-            q4a16_block<2, 4>(xq, dx, xs, q + v0 * LANES, s + v0 * LANES, y,
-                              t * TILE + v0 * LANES, m, K, N);
-        for (; M - m >= 2; m += 2) q4a16_block<VPT, 2>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
-        if (M - m == 1) q4a16_block<VPT, 1>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
+            Rows::template block<2, 4>(xq, dx, xs, q + v0 * LANES * Rows::LANE_BYTES,
+                                       s + v0 * LANES, y, t * TILE + v0 * LANES, m, K, N);
+        for (; M - m >= 2; m += 2)
+          Rows::template block<VPT, 2>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
+        if (M - m == 1) Rows::template block<VPT, 1>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
       });
+}
+
+void q4a8_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
+               int64_t K, int64_t N) {
+  rounded_q4_gemm<Int8Rows>(x, qs, dm, y, M, K, N);
+}
+
+void q4a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
+                int64_t K, int64_t N) {
+  rounded_q4_gemm<Int16Rows>(x, qs, dm, y, M, K, N);
 }
 
 using Q4Gemm = void (*)(const float*, const uint8_t*, const uint16_t*, float*, int64_t, int64_t,
