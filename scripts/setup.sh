@@ -13,12 +13,14 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 .venv/bin/python -m pip install --quiet -e '.[test]'
-# The CPU kernels (src/mashbox/engine/*.cpp) are built with g++ on first use; without a
-# compiler mashbox falls back to torch's ops.
+# mashbox's CPU kernels (src/mashbox/engine/*.cpp) need g++; build them now, once per
+# machine, so no server or test compiles. Where they cannot build, `mashbox kernels` says
+# why and mashbox runs on torch's slower ops (the tests then fail on a machine with AVX2).
 if ! command -v g++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null
 fi
+.venv/bin/mashbox kernels || echo "setup.sh: no CPU kernels (above): decode will be slow" >&2
 # The browser tests (tests/test_ui.py) drive Debian's chromium through Playwright's Python
 # package; Playwright's own browser download is never used.
 if [ ! -x /usr/bin/chromium ]; then

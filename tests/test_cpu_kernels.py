@@ -8,11 +8,18 @@ import sys
 import pytest
 import torch
 
-from mashbox.engine import cpu_kernels
+from mashbox.engine import cpu_kernels, kernel_build
 from mashbox.engine.model import Int8Weight, quantize_int8
 
+# Skipped only where the machine truly cannot build them; anywhere else no kernels is a failure.
+LACKS = kernel_build.machine_lacks()
+pytestmark = pytest.mark.skipif(LACKS is not None, reason=f"cannot build the kernels: {LACKS}")
 kernel = cpu_kernels.load()
-pytestmark = pytest.mark.skipif(kernel is None, reason="no AVX2 or no compiler here")
+
+
+def test_the_kernels_load_on_a_machine_that_can_build_them():
+    assert kernel is not None, cpu_kernels.report().fallback
+    assert cpu_kernels.report().kernels.startswith(kernel.isa())
 
 
 SHAPES = [(960, 576), (37, 64), (8, 8), (70, 12)]  # (N, K): whole tiles, ragged, tiny, odd K

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from mashbox.engine import cpu_kernels
+from mashbox.engine import kernel_build
 from mashbox.engine.engine import Engine
 from mashbox.engine.int4 import Int4Weight, Q8Weight
 
 from tinymodels import no_tokenizer, random_weights, write_gguf
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no AVX2 or no compiler")
+LACKS = kernel_build.machine_lacks()  # anywhere else, no kernels fails the tests below
+pytestmark = pytest.mark.skipif(LACKS is not None, reason=f"cannot build the kernels: {LACKS}")
 
 PROMPTS = {0: [5, 17, 3, 88, 42, 7, 19], 2: [9, 8, 7], 3: list(range(20, 60))}
 FED = [11, 23, 5, 70, 2]  # tokens fed to every slot, one a step

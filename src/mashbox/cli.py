@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 from . import __version__
@@ -100,7 +101,29 @@ def _parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds an idle keep-alive connection stays open (default 5)",
     )
+    sub.add_parser(
+        "kernels",
+        help="build the CPU kernels now (once per machine; scripts/setup.sh runs it) and say "
+        "which compiler target is used and why others were not",
+    )
     return parser
+
+
+def kernels() -> int:
+    """Walk the kernel ladder and print it; 1 where a machine that can build them did not."""
+    from .engine import cpu_kernels, kernel_build
+
+    report = cpu_kernels.report()
+    print(f"compiler: {kernel_build.compiler() or 'none'}")
+    print(f"cache: {kernel_build.root()}")
+    for a in report.attempts:
+        took = f"{a.seconds:6.1f} s" if a.seconds else " " * 8
+        print(f"  {a.target:<15} {a.outcome:<14} {took}  {a.why or a.where}")
+    if report.chosen is not None:
+        print(f"using: {report.kernels}")
+        return 0
+    print(f"none: {report.fallback}", file=sys.stderr)
+    return 1 if kernel_build.machine_lacks() is None else 0
 
 
 def main(argv=None) -> int:
@@ -135,6 +158,8 @@ def main(argv=None) -> int:
             ui=args.ui,
         )
         return run(args.model, opts)
+    if args.command == "kernels":
+        return kernels()
     return 2
 
 

@@ -172,7 +172,14 @@ class EngineInfo:
     kv_bytes_per_token: int = 0  # K and V of one position, all layers
     decode_bytes: int = 0  # weight bytes one decode step reads
     decode_weights: str = "float"  # float, int8, int4, int4a16, int4a8, q8_0
+    kernels: str = ""  # the CPU kernels decode runs on, e.g. "avx512+vnni (native)"
+    kernels_fallback: str = ""  # why decode fell back to torch's ops on a CPU, with the remedy
     compiles: int = 0  # programs compiled just in time so far (engine.compiles_so_far)
+
+    @property
+    def decode(self) -> str:
+        """What a decode step runs, as people read it: "int4a16 avx512+vnni (native)"."""
+        return f"{self.decode_weights} {self.kernels}".strip()
 
 
 @message

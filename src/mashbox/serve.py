@@ -185,8 +185,14 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
         prompt_cache=cache,
     )
     nursery.start_soon(state.scheduler.run)
+    if info.kernels_fallback:
+        log.warning(
+            "WARNING: decode runs on torch's float ops, several times slower: mashbox's CPU "
+            "kernels are unavailable: %s. Run `mashbox kernels` to see each target tried.",
+            info.kernels_fallback,
+        )
     log.info(
-        "ready in %.1f s: %s (%s, %.0fM params, %s on %s), %d slots x %d tokens, "
+        "ready in %.1f s: %s (%s, %.0fM params, %s on %s), decode %s, %d slots x %d tokens, "
         "host prompt cache %d MiB",
         time.monotonic() - t0,
         ref.id,
@@ -194,6 +200,7 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
         info.n_params / 1e6,
         info.dtype,
         info.device,
+        info.decode,
         opts.slots,
         info.ctx,
         opts.cache_ram_mib,

@@ -1,5 +1,8 @@
 // mashbox's CPU kernels (built together as one extension by cpu_kernels.py).
 #pragma once
+#ifdef MASHBOX_BREAK_BUILD  // MASHBOX_KERNELS_BREAK names this target (kernel_build.py)
+#error "a build broken on purpose (MASHBOX_KERNELS_BREAK), to test the fall-back ladder"
+#endif
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

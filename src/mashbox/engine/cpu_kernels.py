@@ -13,10 +13,11 @@
 - `decode_layers.cpp`: `DecodeStack`, a whole decode step (every layer) in one call, with
   no torch op dispatch per norm, RoPE or residual.
 
-Built once per machine with torch's extension builder (g++ and ninja, ~40 s, cached under
-~/.cache/mashbox/kernels) the first time an engine with int8 or int4 decode weights loads.
-Without AVX2/FMA or a compiler, or with MASHBOX_CPU_KERNELS=0, `load()` returns None and
-torch's ops are used.
+Built once per machine by `mashbox kernels` (scripts/setup.sh runs it) down a ladder of
+compiler targets (`kernel_build.py`): the first that compiles and passes `self_check` is
+used, and every outcome is remembered, so no process compiles again or repeats a failure.
+Without AVX2/FMA/F16C, a compiler or any target that builds, or with MASHBOX_CPU_KERNELS=0,
+`load()` returns None, `report().fallback` says why, and torch's ops are used.
 """
 
 from __future__ import annotations
@@ -24,56 +25,222 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from pathlib import Path
 
+import attrs
 import torch
+
+from . import kernel_build
+from .kernel_build import Target
 
 log = logging.getLogger("mashbox")
 
-builds = 0  # times this process ran the extension builder (a compile, or a cached load)
-
-SOURCES = [
-    Path(__file__).with_name(name)
-    for name in ("int8_gemm.cpp", "blocks_gemm.cpp", "decode_layers.cpp")
-]
+builds = 0  # kernel modules this process loaded (compiled now, or built earlier)
 
 
-def _supported() -> bool:
-    capability = torch.backends.cpu.get_cpu_capability()
-    return capability in ("AVX2", "AVX512") and os.environ.get("MASHBOX_CPU_KERNELS") != "0"
+@attrs.frozen
+class Attempt:
+    """One rung of the ladder in this process."""
+
+    target: str
+    flags: tuple[str, ...]
+    outcome: str  # "built", "cached", "failed", "failed before" (not compiled again), "skipped"
+    why: str = ""
+    seconds: float = 0.0  # the compile's wall time, now or when it was built
+    where: str = ""
+
+
+@attrs.frozen
+class Report:
+    """What `load()` found: every target tried, the one used, or why none is."""
+
+    attempts: tuple[Attempt, ...] = ()
+    chosen: Attempt | None = None
+    isa: str = ""  # what the chosen build's code uses: "avx512", "avx512+vnni", "avx2", ...
+    fallback: str = ""  # why there are no kernels, with the remedy ("" when there are)
+
+    @property
+    def kernels(self) -> str:
+        """The chosen build as people read it, e.g. "avx512+vnni (native, -mno-avx512bf16)"."""
+        if self.chosen is None:
+            return ""
+        return f"{self.isa} ({', '.join(f.removeprefix('-march=') for f in self.chosen.flags)})"
+
+
+_report = Report()
+
+
+def report() -> Report:
+    load()
+    return _report
 
 
 @functools.cache
 def load():
     """The compiled module (`int8_linear(x, pack_int8(q), scale)`, `DecodeStack`), or None
-    where it cannot be used."""
-    if not _supported():
-        return None
-    from torch.utils.cpp_extension import load as build
-
-    global builds
-    builds += 1
-    # One build per instruction set: -march=native code from an AVX-512 machine would not
-    # run on an AVX2 one that shares the home directory. MASHBOX_CPU_KERNELS=avx2 builds
-    # the 256-bit kernels on an AVX-512 machine (to test or time both widths).
-    capability = torch.backends.cpu.get_cpu_capability().lower()
-    width = ["-mno-avx512f"] if os.environ.get("MASHBOX_CPU_KERNELS") == "avx2" else []
-    if width:
-        capability = "avx2"
-    build_dir = Path.home() / ".cache" / "mashbox" / "kernels" / capability
-    build_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        return build(
-            f"mashbox_cpu_kernels_{capability}",
-            sources=[str(s) for s in SOURCES],
-            # OpenMP binds to the libgomp torch has loaded: one thread pool for both.
-            extra_cflags=["-O3", "-march=native", *width, "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
+    where it cannot be used (`report()` says why, loudly logged)."""
+    global _report, builds
+    _report, module = _walk_ladder()
+    if module is not None:
+        builds += 1
+    else:
+        log.warning(
+            "CPU kernels unavailable: %s. Decode falls back to torch's ops, several "
+            "times slower (`mashbox kernels` shows each target tried).",
+            _report.fallback,
         )
-    except Exception as exc:  # no compiler, no ninja, a build error: torch's kernel instead
-        log.warning("mashbox: CPU kernels unavailable (%s); using torch's ops", exc)
-        return None
+    return module
+
+
+def _walk_ladder() -> tuple[Report, object | None]:
+    if os.environ.get("MASHBOX_CPU_KERNELS") == "0":
+        return Report(fallback="turned off by MASHBOX_CPU_KERNELS=0 (unset it)"), None
+    lacks = kernel_build.machine_lacks()
+    if lacks:
+        return Report(fallback=lacks), None
+    try:
+        targets = kernel_build.ladder()
+    except ValueError as exc:
+        return Report(fallback=str(exc)), None
+    attempts: list[Attempt] = []
+    for target in targets:
+        missing = target.needs - kernel_build.cpu()[1]
+        if missing:
+            why = (
+                "the same code as native here (the CPU has no AVX-512 BF16)"
+                if missing == {"avx512_bf16"}
+                else f"the CPU lacks {', '.join(sorted(missing))}"
+            )
+            attempts.append(Attempt(target.name, target.flags, "skipped", why))
+            continue
+        attempt, module = _try(target)
+        attempts.append(attempt)
+        if module is not None:
+            return Report(tuple(attempts), attempt, module.isa()), module
+    tried = "; ".join(f"{a.target}: {a.why}" for a in attempts if a.outcome != "skipped")
+    fallback = (
+        f"no compiler target built and passed its self-check ({tried}); "
+        "install another g++ and point CXX at it"
+    )
+    return Report(tuple(attempts), fallback=fallback), None
+
+
+def _try(target: Target, again: bool = True) -> tuple[Attempt, object | None]:
+    """Build (once, under a lock) or import one target and check it."""
+    flags = kernel_build.flags_for(target)
+    where = kernel_build.directory(target, flags)
+    record = kernel_build.recorded(where)
+    if record is None:
+        with kernel_build.exclusive(where):
+            record = kernel_build.recorded(where)  # another process may have built it meanwhile
+            if record is None:
+                return _build(target, flags, where)
+    attempt = functools.partial(
+        Attempt, target.name, flags, seconds=record.seconds, where=str(where)
+    )
+    if not record.ok:
+        return attempt("failed before", record.reason), None
+    try:
+        module = kernel_build.import_library(where, record.library)
+    except ImportError:  # the file went away or is torn: build it again, once
+        kernel_build.forget(where)
+        return _try(target, again=False) if again else (attempt("failed", "cannot import"), None)
+    problem = self_check(module)
+    if problem:
+        kernel_build.remember(where, attrs.evolve(record, ok=False, reason=problem))
+        return attempt("failed", problem), None
+    return attempt("cached"), module
+
+
+def _build(target: Target, flags: tuple[str, ...], where: Path) -> tuple[Attempt, object | None]:
+    log.info("compiling the CPU kernels for %s (%s), once", target.name, " ".join(flags))
+    t0 = time.monotonic()
+    try:
+        module = kernel_build.compile_module(flags, where)
+        problem = self_check(module)
+    except Exception as exc:  # a compiler error or crash
+        module, problem = None, kernel_build.first_error(exc)
+    seconds = round(time.monotonic() - t0, 1)
+    library = module.__file__ if module is not None else ""
+    record = kernel_build.Record(target.name, flags, not problem, problem or "", seconds, library)
+    kernel_build.remember(where, record)
+    attempt = Attempt(
+        target.name, flags, "failed" if problem else "built", problem or "", seconds, str(where)
+    )
+    if problem:
+        log.warning("CPU kernels for %s failed (%s); trying the next target", target.name, problem)
+        return attempt, None
+    return attempt, module
+
+
+# The self-check: every matmul kernel on inputs whose products and sums are all exact in
+# float32, so the right answer is known to the bit whatever order the kernel sums in; the
+# rows cover every row blocking the kernels have (8, 4, 2 and 1-row blocks, one row over
+# two tiles) and the outputs a pair of tiles and a tile alone.
+CHECK_ROWS = (1, 2, 3, 4, 5, 8, 9, 12, 17)
+CHECK_OUTPUTS = (64, 96)
+CHECK_K = 64
+
+
+def self_check(module) -> str | None:
+    """None if each kernel gives the exact answer; else which one did not, and where."""
+    g = torch.Generator().manual_seed(0)
+    for n in CHECK_OUTPUTS:
+        for name, matmul, weight, make_x in _check_cases(module, n, g):
+            for m in CHECK_ROWS:
+                x = make_x(m)
+                want = (x.double() @ weight.T).float()
+                got = matmul(x)
+                if not torch.equal(got, want):
+                    return f"self-check: {name} is not exact at {m} rows x {n} outputs"
+    return None
+
+
+def _check_cases(module, n: int, g: torch.Generator) -> list[tuple]:
+    """(name, matmul(x), the weights it multiplies by in float64, x of m rows) per kernel."""
+    k, blocks = CHECK_K, CHECK_K // 32
+
+    def ints(low: int, high: int, shape, dtype=torch.float32):
+        return torch.randint(low, high, shape, generator=g).to(dtype)
+
+    def per_block(v: torch.Tensor) -> torch.Tensor:
+        return v.double().repeat_interleave(32, 1)
+
+    def float_x(m: int) -> torch.Tensor:  # multiples of 1/4 in [-2, 2]
+        return ints(-8, 9, (m, k)) / 4
+
+    def rounded_x(limit: int, small: int, dx: float):
+        """Activations the int16 / int8 rounding keeps exactly: per block of 32 one value at
+        the bound (so the block's scale is dx, a power of two), the rest small multiples."""
+
+        def make(m: int) -> torch.Tensor:
+            xq = ints(-small, small + 1, (m, blocks, 32))
+            xq[..., 0] = limit * (1 - 2 * ints(0, 2, (m, blocks)))
+            return (xq * dx).view(m, k)
+
+        return make
+
+    q8 = ints(-127, 128, (n, k), torch.int8)
+    scale = torch.full((n,), 2.0**-7)
+    q4 = ints(0, 16, (n, k), torch.uint8)
+    d4 = (2.0 ** -ints(3, 5, (n, blocks))).half()
+    m4 = (-ints(0, 3, (n, blocks)) / 2).half()
+    w4 = q4.double() * per_block(d4) + per_block(m4)
+    qs4, dm4 = pack_q4(q4, d4, m4)
+    qs4a8 = pack_q4a8(q4)
+    d8 = (2.0 ** -ints(7, 9, (n, blocks))).half()
+    qs8, ds8 = pack_q8(q8, d8)
+    packed8, w8 = pack_int8(q8), q8.double() / 128
+    w_q8 = q8.double() * per_block(d8)
+    x16, x8 = rounded_x(32767, 64, 2.0**-15), rounded_x(127, 127, 2.0**-7)
+    return [
+        ("int8_linear", lambda x: module.int8_linear(x, packed8, scale), w8, float_x),
+        ("q4_linear", lambda x: module.q4_linear(x, qs4, dm4), w4, float_x),
+        ("q4a16_linear", lambda x: module.q4a16_linear(x, qs4, dm4), w4, x16),
+        ("q4a8_linear", lambda x: module.q4a8_linear(x, qs4a8, dm4), w4, x8),
+        ("q8_linear", lambda x: module.q8_linear(x, qs8, ds8), w_q8, float_x),
+    ]
 
 
 TILE = 32  # output rows per packed tile (int8_gemm.cpp)

@@ -246,13 +246,29 @@ class DecodeStack {
   float eps_;
 };
 
+// What this build's code uses, as the ready line and /v1/models name it.
+static std::string isa() {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  return "avx512+vnni";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVXVNNI__)
+  return "avx2+avx-vnni";
+#else
+  return "avx2";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa, "the instruction sets this build's kernels use");
   m.def("int8_linear", &int8_linear, "y = x . (q * scale)^T, q packed by pack_int8");
   m.def("q4_linear", &q4_linear, "y = x . W^T, W a GGUF's 4-bit blocks packed by pack_q4");
   m.def("q8_linear", &q8_linear, "y = x . W^T, W a GGUF's Q8_0 blocks packed by pack_q8");
   m.def("q4a8_linear", &q4a8_linear, "q4_linear with x rounded to int8 per block of 32");
   m.def("q4a16_linear", &q4a16_linear, "q4_linear with x rounded to int16 per block of 32");
-  pybind11::class_<DecodeStack>(m, "DecodeStack")
+  // module_local: a process may load several builds (a failed self-check, then the next
+  // target), and pybind11 registers a type once per process otherwise.
+  pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())
       .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, torch::Tensor,
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double,
                           int64_t>())

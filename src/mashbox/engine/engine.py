@@ -99,6 +99,12 @@ class Engine:
     ):
         """graph_decode: decode as fixed-shape steps, CUDA graphs on a GPU (graph_decode.py);
         None: as $MASHBOX_GRAPH_DECODE says, else on CUDA with float decode weights."""
+        # A CPU engine asked for anything but float runs on mashbox's kernels, or says why not.
+        kernels = (
+            cpu_kernels.report()
+            if torch.device(device).type == "cpu" and decode_weights != "float"
+            else cpu_kernels.Report()
+        )
         decode_weights = resolve_decode_weights(decode_weights, device)
         # The int4 kinds load the file's own Q4_0/Q4_1/Q8_0 blocks; the rest use float tensors.
         keep = int4.KEPT_QTYPES if decode_weights in int4.BLOCK_KINDS else ()
@@ -141,6 +147,8 @@ class Engine:
             kv_bytes_per_token=self.cache.bytes_per_token,
             decode_bytes=self.model.decode_nbytes,
             decode_weights=self.model.decode_kind,
+            kernels=kernels.kernels,
+            kernels_fallback=kernels.fallback,
             compiles=compiles_so_far(),
         )
 

@@ -61,6 +61,8 @@ def health_body(state: ServerState) -> dict:
         # later would stall a step. Null before ready.
         "compiles_after_ready": state.supervisor.compiles_after_ready if state.ready else None,
         "routed_experts": None,  # every supported architecture is dense
+        "decode": state.info.decode if state.info else None,
+        "kernels_fallback": state.info.kernels_fallback or None if state.info else None,
         "worker_pid": state.supervisor.pid if state.supervisor else None,
         "worker_restarts": state.supervisor.restarts if state.supervisor else 0,
     }
@@ -79,6 +81,8 @@ def model_card(state: ServerState) -> dict:
         "bpw": info.bits_per_weight if info else 0,
         "decode_gb": round(info.decode_bytes / 1e9, 6) if info else 0,
         "decode_weights": info.decode_weights if info else None,
+        "decode_kernels": info.kernels or None if info else None,
+        "kernels_fallback": info.kernels_fallback or None if info else None,
         "prefix_cache": True,
         "slots": state.slots,
         "cache_ram_mib": state.scheduler.prompt_cache.cap_bytes // 2**20 if state.scheduler else 0,

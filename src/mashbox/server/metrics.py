@@ -181,6 +181,20 @@ class _LiveCollector:
             )
             info.add_metric([state.model_id, str(state.ctx), str(state.slots), "True"], 1)
             yield info
+        if state.info is not None:
+            decode = GaugeMetricFamily(
+                "mashbox:decode_info",
+                "What a decode step runs: weights, CPU kernels and their compiler target.",
+                labels=["model_name", "decode"],
+            )
+            decode.add_metric([state.model_id, state.info.decode], 1)
+            yield decode
+            yield gauge(
+                "mashbox:cpu_kernels_fallback",
+                "1 when decode fell back to torch's ops because mashbox's CPU kernels did not "
+                "load (the log and /health say why).",
+                1 if state.info.kernels_fallback else 0,
+            )
         restarts = CounterMetricFamily(
             "mashbox:worker_restarts",
             "Times the engine worker process was started again after a fault.",
