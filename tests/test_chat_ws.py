@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from serverproc import ServerProcess
@@ -114,3 +115,57 @@ def test_foreign_origin_is_refused(server):
 def test_plain_http_on_the_websocket_route_is_426(server):
     r = httpx.get(server.url + "/v1/chat/completions/ws")
     assert r.status_code == 426 and r.headers["Upgrade"] == "websocket"
+
+
+def test_a_bad_frame_gets_an_error_frame_while_its_sibling_finishes(server):
+    """A frame nested past the recursion limit, one with a lone surrogate, one that is not an
+    object: each an error frame of its own; the stream sent before them runs to [DONE]."""
+    bad = [
+        "[" * 100_000 + "]" * 100_000,
+        '{"messages": [{"role": "user", "content": "\\ud800"}]}',
+        "[1]",
+    ]
+    with connect(ws_url(server.url), max_size=None) as ws:
+        ws.send(json.dumps({**REQUEST, "stream": True, "max_tokens": 30}))
+        for frame in bad:
+            ws.send(frame)
+        errors, done = [], False
+        while not done or len(errors) < len(bad):
+            frame = ws.recv(timeout=60)
+            if frame == "[DONE]":
+                done = True
+            elif "error" in (body := json.loads(frame)):
+                errors.append(body)
+        assert sorted(e["status"] for e in errors) == [400, 400, 400], errors
+
+
+def test_requests_in_flight_on_one_socket_are_bounded(server):
+    with connect(ws_url(server.url)) as ws:
+        for _ in range(9):
+            ws.send(json.dumps({**REQUEST, "stream": True, "max_tokens": 200}))
+        refused = None
+        while refused is None:
+            body = json.loads(frame) if (frame := ws.recv(timeout=60)) != "[DONE]" else {}
+            if "error" in body:
+                refused = body
+        assert refused["status"] == 429 and "8 requests" in refused["error"]["message"]
+
+
+def peak_rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM")))
+
+
+def test_a_compressed_frame_is_never_inflated_past_the_cap(server):
+    """256 MiB of spaces deflate to ~256 KB on the wire: the server stops inflating at its
+    16 MiB cap and closes the socket, instead of holding all of it (it grew by ~360 MiB
+    before), and goes on serving."""
+    before = peak_rss_kib(server.proc.pid)
+    with connect(ws_url(server.url), max_size=None) as ws:
+        ws.send(" " * (256 * 2**20))
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=30)
+    assert peak_rss_kib(server.proc.pid) - before < 100 * 1024
+    with connect(ws_url(server.url)) as ws:
+        ws.send(json.dumps(REQUEST))
+        assert json.loads(ws.recv(timeout=60))["object"] == "chat.completion"

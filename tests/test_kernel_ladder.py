@@ -70,7 +70,7 @@ def test_a_target_that_cannot_build_gives_way_to_the_next_and_is_never_compiled_
     assert rows[first.name].split()[1] == "failed"
     assert "a build broken on purpose" in rows[first.name]
     assert rows[chosen.name].split()[1] == "built"
-    named = ", ".join(f.removeprefix("-march=") for f in chosen.flags)
+    named = ", ".join(f.removeprefix("-march=") for f in kernel_build.flags_for(chosen))
     assert f"({named})" in out.stdout.splitlines()[-1]
 
     with serving(str(tiny_llama), env=env) as server:

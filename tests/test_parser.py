@@ -15,6 +15,7 @@ from mashbox.text.parser import (
     OutputParser,
     Reasoning,
     ToolCall,
+    call_from_json,
     merge,
 )
 
@@ -256,3 +257,13 @@ OPTIONS = st.sampled_from(
 def test_random_splits_give_same_events(case, options):
     text, chunks = case
     assert parse(chunks, **options) == parse([text], **options)
+
+
+def test_a_tool_call_nested_past_the_recursion_limit_is_an_invalid_call_not_a_crash():
+    parser = OutputParser(tools=True)
+    deep = "<tool_call>" + "[" * 100_000 + "</tool_call>after"
+    events = parser.feed(deep) + parser.finish()
+    assert any(isinstance(e, InvalidToolCall) for e in events)
+    assert "after" in "".join(e.text for e in events if isinstance(e, Content))
+    args = '{"name": "f", "arguments": "' + "[" * 100_000 + '"}'
+    assert call_from_json(args) is None

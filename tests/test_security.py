@@ -103,7 +103,7 @@ async def test_keys_naming_one_tenant_share_its_queue(keyed):
             # bob is another tenant: his request is queued, not refused.
             nursery.start_soon(lambda: http.post(CHAT, json=SMALL, headers=bob))
             await trio.sleep(0.3)
-            health = (await http.get("/health")).json()
+            health = (await http.get("/health", headers=bob)).json()  # the depth: key holders only
             assert health["waiting"] == 33
             nursery.cancel_scope.cancel()
 
@@ -229,7 +229,7 @@ async def test_the_whole_queue_holds_256_then_429_and_anthropic_529(tiny_llama, 
                 for i in range(256):  # 8 tenants x 32
                     headers = auth[i % 8]
                     nursery.start_soon(lambda h=headers: http.post(CHAT, json=SMALL, headers=h))
-                while (await http.get("/health")).json()["waiting"] < 256:
+                while (await http.get("/health", headers=auth[0])).json()["waiting"] < 256:
                     await trio.sleep(0.05)
                 r = await http.post(CHAT, json=SMALL, headers=auth[8])
                 assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"

@@ -4,7 +4,8 @@ The scheduler owns this index and tells the engine exactly what to save, restore
 (`Save`, `Restore`, `Drop` in the step protocol); the engine only keeps tensors by entry id.
 One index per engine process: a restarted engine starts empty, and so does the index. The
 namespace (model, weights, tokenizer, template, policy) is part of every key, so a cache
-never answers for another one.
+never answers for another one; so is the tenant, so one tenant's saved prompts never answer
+(nor, through `cached_tokens` or time to first token, betray) another's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ DEFAULT_CACHE_RAM_MIB = 8192  # llama-server's default: agents resend long promp
 class Entry:
     id: int
     namespace: str
+    tenant: str
     tokens: tuple[int, ...]
     nbytes: int
     last_used: int = 0
@@ -55,12 +57,12 @@ class PromptCache:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
-    def best(self, prompt, namespace: str | None = None) -> tuple[Entry | None, int]:
-        """The entry sharing the longest prefix with `prompt`, and that length."""
+    def best(self, prompt, tenant: str, namespace: str | None = None) -> tuple[Entry | None, int]:
+        """The tenant's entry sharing the longest prefix with `prompt`, and that length."""
         namespace = self.namespace if namespace is None else namespace
         best, length = None, 0
         for entry in self.entries.values():
-            if entry.namespace != namespace:
+            if entry.namespace != namespace or entry.tenant != tenant:
                 continue
             n = common_prefix(entry.tokens, prompt)
             if n > length:
@@ -70,25 +72,25 @@ class PromptCache:
     def touch(self, entry: Entry) -> None:
         entry.last_used = next(self._clock)
 
-    def worth_saving(self, tokens) -> bool:
+    def worth_saving(self, tokens, tenant: str) -> bool:
         """Long enough, fits at all, and not already saved (a saved copy counts once)."""
         if not self.enabled or len(tokens) < MIN_TOKENS:
             return False
         if len(tokens) * self.bytes_per_token > self.cap_bytes:
             return False
-        entry, n = self.best(tokens)
+        entry, n = self.best(tokens, tenant)
         return not (entry is not None and n == len(tokens))
 
-    def add(self, tokens) -> tuple[Entry, list[Entry]]:
-        """Record a saved prefix; return it and the entries evicted to make room."""
-        entry = Entry(
-            next(self._ids), self.namespace, tuple(tokens), len(tokens) * self.bytes_per_token
-        )
+    def add(self, tokens, tenant: str) -> tuple[Entry, list[Entry]]:
+        """Record a saved prefix of the tenant's; return it and the entries evicted for room."""
+        size = len(tokens) * self.bytes_per_token
+        entry = Entry(next(self._ids), self.namespace, tenant, tuple(tokens), size)
         self.touch(entry)
         evicted = []
         # A saved prefix of the new one is now redundant: the new entry covers it.
         for old in list(self.entries.values()):
-            if old.namespace == entry.namespace and entry.tokens[: len(old.tokens)] == old.tokens:
+            same_scope = (old.namespace, old.tenant) == (entry.namespace, entry.tenant)
+            if same_scope and entry.tokens[: len(old.tokens)] == old.tokens:
                 evicted.append(self.entries.pop(old.id))
         while self.nbytes + entry.nbytes > self.cap_bytes and self.entries:
             lru = min(self.entries.values(), key=lambda e: e.last_used)

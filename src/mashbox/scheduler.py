@@ -166,10 +166,12 @@ class Sequence:
 
 @attrs.define(eq=False)
 class Slot:
-    """One KV slot; `tokens` is exactly what its cache holds, kept after a request ends."""
+    """One KV slot; `tokens` is exactly what its cache holds, kept after a request ends, for
+    the tenant whose prompt they are (and only for them)."""
 
     index: int
     tokens: list[int] = attrs.Factory(list)
+    tenant: str = ""
     seq: Sequence | None = None
     last_used: int = 0
 
@@ -457,7 +459,9 @@ class Scheduler:
         batch = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
 
         def match(seq: Sequence, slot: Slot) -> int:
-            return 0 if seq.request.embed else common_prefix(slot.tokens, seq.request.prompt_ids)
+            if seq.request.embed or slot.tenant != seq.request.tenant:
+                return 0
+            return common_prefix(slot.tokens, seq.request.prompt_ids)
 
         pairs = sorted(
             ((match(q, s), -s.last_used, -i, i, s) for i, q in enumerate(batch) for s in free),
@@ -480,29 +484,39 @@ class Scheduler:
         # token); a decision reads after the prefix and can take all of it from a cache.
         reusable = len(prompt) - (0 if seq.request.branches else 1)
         if not seq.request.embed:  # pooling needs every position's hidden state: no reuse
-            shared = self._bring_prefix(slot, prompt, shared, reusable)
+            shared = self._bring_prefix(slot, seq.request.tenant, prompt, shared, reusable)
         seq.cached = min(shared, reusable)
         del slot.tokens[seq.cached :]
+        slot.tenant = seq.request.tenant
         seq.prefilled = seq.cached
         self.observer.admitted(len(prompt), seq.cached)
         self._uses += 1
         slot.seq, slot.last_used, seq.slot = seq, self._uses, slot
         seq.t_start = time.perf_counter()
 
-    def _bring_prefix(self, slot: Slot, prompt, shared: int, reusable: int) -> int:
+    def _bring_prefix(self, slot: Slot, tenant: str, prompt, shared: int, reusable: int) -> int:
         """Save what the slot holds before it is overwritten, then bring in the longest
-        prefix of the prompt held elsewhere, if it beats the slot's own: a slot in use (a
-        copy on the device) or the host prompt cache. Return the shared length."""
+        prefix of the prompt the tenant holds elsewhere, if it beats the slot's own: a slot
+        in use (a copy on the device) or the host prompt cache. Return the shared length."""
         cache = self.prompt_cache
-        if cache.enabled and shared < len(slot.tokens) and cache.worth_saving(slot.tokens):
-            entry, evicted = cache.add(slot.tokens)
+        if (
+            cache.enabled
+            and shared < len(slot.tokens)
+            and cache.worth_saving(slot.tokens, slot.tenant)
+        ):
+            entry, evicted = cache.add(slot.tokens, slot.tenant)
             self._saves.append(Save(slot.index, entry.id, len(slot.tokens)))
             self._drops.extend(e.id for e in evicted)
         # A source must hold its prefix when the step starts: shares run before restores,
         # so a slot still waiting for its own share or restore is no source.
         arriving = {m.slot for m in self._shares} | {m.slot for m in self._restores}
         live = [
-            s for s in self.slots if s.seq is not None and s is not slot and s.index not in arriving
+            s
+            for s in self.slots
+            if s.seq is not None
+            and s is not slot
+            and s.tenant == tenant
+            and s.index not in arriving
         ]
         from_live, source = max(
             ((common_prefix(s.tokens, prompt), s) for s in live),
@@ -510,7 +524,7 @@ class Scheduler:
             default=(0, None),
         )
         from_live = min(from_live, reusable)
-        entry, from_cache = cache.best(prompt) if cache.enabled else (None, 0)
+        entry, from_cache = cache.best(prompt, tenant) if cache.enabled else (None, 0)
         from_cache = min(from_cache, reusable)
         if max(from_live, from_cache) <= shared:
             return shared

@@ -19,7 +19,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from . import registry
 from .prompt_cache import DEFAULT_CACHE_RAM_MIB, PromptCache
 from .scheduler import Scheduler
-from .server import contain
+from .server import chat_ws, contain
 from .server.app import ShieldFinalSend, create_app
 from .server.security import Guard, KeyFileError, read_key_file, tenant_of_unnamed
 from .server.state import ServerState, model_identity, weights_sha
@@ -112,6 +112,8 @@ async def serve(
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.keep_alive_timeout = opts.keep_alive
+    config.websocket_max_message_size = chat_ws.MAX_MESSAGE_BYTES
+    chat_ws.install_bounded_deflate()
     config.graceful_timeout = 3
     contain.install()
     app = ShieldFinalSend(create_app(state, ui=opts.ui))
@@ -239,6 +241,12 @@ def make_guard(opts: ServeOptions) -> Guard:
     if env_key:
         keys.setdefault(env_key, tenant_of_unnamed(env_key))
     guard = Guard(opts.host, keys, frozenset(h.lower() for h in opts.allowed_hosts))
+    if guard.allowed_hosts and not keys:
+        raise FatalError(
+            "refusing --allowed-host without an API key: behind a tunnel (cloudflared, ngrok) "
+            "anyone on the internet could use the server; give --api-key-file FILE or set "
+            "MASHBOX_API_KEY (an ssh -L tunnel needs neither)"
+        )
     if guard.keys_required and not keys:
         raise FatalError(
             f"refusing to listen on {opts.host} (not loopback) without an API key: "

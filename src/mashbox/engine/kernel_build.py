@@ -47,25 +47,30 @@ class Target:
     name: str
     flags: tuple[str, ...]
     needs: frozenset[str]  # CPU flags the built code may use
+    # (CPU flag, compiler flag): extensions the kernels gain from, added where the CPU has
+    # them (VNNI's integer dot products: ~1.3x at 8 rows here).
+    extras: tuple[tuple[str, str], ...] = ()
 
     @property
     def native(self) -> bool:
         return "-march=native" in self.flags
 
 
+V4_EXTRAS = (("avx512_vnni", "-mavx512vnni"),)
+V3_EXTRAS = (("avx_vnni", "-mavxvnni"),)
 # Fastest first. The second is native without what is known to crash compilers (the kernels
 # use no BF16 instruction); on a CPU without AVX-512 BF16 it is native itself, so its `needs`
-# skip it there.
+# skip it there. The portable levels take back what the kernels use of the CPU's own.
 LADDER = (
     Target("native", ("-march=native",), KERNEL_NEEDS),
     Target("native-no-bf16", ("-march=native", "-mno-avx512bf16"), KERNEL_NEEDS | {"avx512_bf16"}),
-    Target("x86-64-v4", ("-march=x86-64-v4",), X86_64_V4),
-    Target("x86-64-v3", ("-march=x86-64-v3", "-mf16c", "-mfma"), X86_64_V3),
+    Target("x86-64-v4", ("-march=x86-64-v4",), X86_64_V4, V4_EXTRAS),
+    Target("x86-64-v3", ("-march=x86-64-v3", "-mf16c", "-mfma"), X86_64_V3, V3_EXTRAS),
 )
 # MASHBOX_CPU_KERNELS=avx2: the 256-bit kernels on any machine (to test or time both widths).
 LADDER_256 = (
     Target("native-avx2", ("-march=native", "-mno-avx512f"), KERNEL_NEEDS),
-    Target("x86-64-v3", ("-march=x86-64-v3", "-mf16c", "-mfma"), X86_64_V3),
+    LADDER[-1],
 )
 TARGETS = {t.name: t for t in LADDER + LADDER_256}
 
@@ -89,8 +94,10 @@ def ladder() -> tuple[Target, ...]:
 
 
 def flags_for(target: Target) -> tuple[str, ...]:
+    """The target's flags on this CPU: its extras where the CPU has them."""
+    extras = tuple(flag for cpu_flag, flag in target.extras if cpu_flag in cpu()[1])
     broken = os.environ.get("MASHBOX_KERNELS_BREAK", "").split(",")
-    return target.flags + (BREAK_FLAGS if target.name in broken else ())
+    return target.flags + extras + (BREAK_FLAGS if target.name in broken else ())
 
 
 @functools.cache

@@ -12,7 +12,7 @@ from ..text.parser import Reasoning, ToolCall
 from . import chat
 from .chat import Ping, ToolChoice
 from .errors import bad_request, not_ready
-from .generation import build_request, log_request
+from .generation import build_request, encode_prompt, log_request, log_tag
 from .openai_api import OneFieldEvent, event_stream, logged_failure, submit
 from .state import ServerState
 from .validate import Body
@@ -196,9 +196,7 @@ async def count_tokens(state: ServerState, data) -> dict:
     if not state.ready:
         raise not_ready()
     prompt = prompt_of(state, Body(data))
-    return {
-        "input_tokens": len(state.tokenizer.encode(prompt.text, add_bos=state.tokenizer.add_bos))
-    }
+    return {"input_tokens": len(await encode_prompt(state, prompt.text, "messages"))}
 
 
 def _usage(done: Finished) -> dict:
@@ -249,9 +247,9 @@ async def messages(state: ServerState, data, headers, tenant: str = ""):
     t0 = time.perf_counter()
     body = Body(data)
     prompt = prompt_of(state, body)
-    ids = state.tokenizer.encode(prompt.text, add_bos=state.tokenizer.add_bos)
+    ids = await encode_prompt(state, prompt.text, "messages")
     request = build_request(body, state, ids, tenant)
-    session = body.str("prompt_cache_key") or headers.get("X-Session-Id")
+    session = log_tag(body, headers, tenant)
     seq, events = submit(state, request)
     mid = "msg_" + secrets.token_hex(12)
     model = body.str("model") or state.model_id

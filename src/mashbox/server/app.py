@@ -20,7 +20,7 @@ from . import (
     systemone_api,
 )
 from . import ui as chat_ui
-from .body import read_body
+from .body import parse_json, read_body
 from .errors import ApiError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .state import ServerState
@@ -94,33 +94,7 @@ async def _json_body():
     content_type = request.mimetype or ""
     if content_type != "application/json":
         raise ApiError(415, "the body must be JSON (Content-Type: application/json)")
-    raw = await read_body(request, MAX_BODY_BYTES)
-    try:
-        # ValueError covers invalid UTF-8 and integers past Python's 4300-digit limit.
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
-    if _has_lone_surrogate(data):
-        raise ApiError(400, "the body holds a lone UTF-16 surrogate (\\ud800-\\udfff)")
-    return data
-
-
-def _has_lone_surrogate(value) -> bool:
-    """JSON may escape lone surrogates, which no tokenizer can encode."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
+    return parse_json(await read_body(request, MAX_BODY_BYTES))
 
 
 def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
@@ -163,7 +137,10 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
         return _json(error.body(), error.status)
 
     async def health():
-        return _json(health_body(state), 200 if state.ready else 503)
+        body = health_body(state)
+        if not state.guard.authenticated(request.headers):
+            body = {"status": body["status"]}  # a probe learns whether it is up, not how busy
+        return _json(body, 200 if state.ready else 503)
 
     async def chat_page():
         return Response(page.body, status=200, headers=page.headers)

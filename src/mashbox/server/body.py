@@ -7,6 +7,7 @@ gigabytes in memory.
 
 from __future__ import annotations
 
+import json
 import sys
 import zlib
 
@@ -44,3 +45,33 @@ async def read_body(request, cap: int) -> bytes:
     if not decoder.eof:
         raise ApiError(400, f"the {encoding} body is truncated")
     return body
+
+
+def parse_json(raw: bytes | str):
+    """A body's JSON value, or a 400: invalid JSON, nesting past Python's recursion limit, or
+    a lone UTF-16 surrogate (which JSON may escape and no tokenizer can encode)."""
+    try:
+        # ValueError covers invalid UTF-8 and integers past Python's 4300-digit limit.
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    if _has_lone_surrogate(data):
+        raise ApiError(400, "the body holds a lone UTF-16 surrogate (\\ud800-\\udfff)")
+    return data
+
+
+def _has_lone_surrogate(value) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False

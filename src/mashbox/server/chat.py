@@ -82,7 +82,7 @@ def _arguments_as_object(tool_call: dict) -> dict:
     if isinstance(arguments, str):
         try:
             parsed = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             parsed = None
         if isinstance(parsed, dict):
             function["arguments"] = parsed

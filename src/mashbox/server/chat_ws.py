@@ -2,21 +2,66 @@
 
 Each text frame is a chat request; a non-streamed reply is one ChatCompletion frame, a
 streamed one is chunk frames then "[DONE]", an error an error frame. Several requests may be
-in flight on one socket (replies interleave; each frame carries its response id); closing the
-socket cancels them. The handshake authenticates with `?token=` or
-`Sec-WebSocket-Protocol: bearer, TOKEN` (handshake only) and refuses a foreign Origin.
+in flight on one socket (replies interleave; each frame carries its response id), at most
+MAX_IN_FLIGHT; closing the socket cancels them. Each frame passes the HTTP body's checks,
+and whatever one frame does ends in an error frame for it alone, never its siblings. The
+handshake authenticates with `?token=` or `Sec-WebSocket-Protocol: bearer, TOKEN` (handshake
+only) and refuses a foreign Origin.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import zlib
 
 import trio
+from hypercorn.protocol import ws_stream
 from quart import Response, websocket
+from wsproto.extensions import PerMessageDeflate
+from wsproto.frame_protocol import CloseReason
 
 from . import openai_api
+from .body import parse_json
 from .errors import ApiError
 from .state import ServerState
+
+log = logging.getLogger("mashbox")
+
+MAX_IN_FLIGHT = 8  # requests one socket may have running at once
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # one frame's message, inflated (an HTTP body's cap)
+
+
+class BoundedDeflate(PerMessageDeflate):
+    """permessage-deflate that stops inflating a message past MAX_MESSAGE_BYTES and closes
+    the socket. wsproto inflates each frame whole before hypercorn checks the size: 256 KB
+    on the wire grew the server by ~360 MiB. Installed in place of hypercorn's by
+    `install_bounded_deflate`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._inflated = 0  # bytes of the current message so far
+
+    def frame_inbound_payload_data(self, proto, data):
+        if not self._inbound_compressed or not self._inbound_is_compressible:
+            return data
+        room = MAX_MESSAGE_BYTES - self._inflated
+        try:
+            out = self._decompressor.decompress(bytes(data), room + 1)
+        except zlib.error:
+            return CloseReason.INVALID_FRAME_PAYLOAD_DATA
+        self._inflated += len(out)
+        return CloseReason.MESSAGE_TOO_BIG if self._inflated > MAX_MESSAGE_BYTES else out
+
+    def frame_inbound_complete(self, proto, fin: bool):
+        if fin:
+            self._inflated = 0
+        return super().frame_inbound_complete(proto, fin)
+
+
+def install_bounded_deflate() -> None:
+    """Make hypercorn offer BoundedDeflate (it builds its extensions from this name)."""
+    ws_stream.PerMessageDeflate = BoundedDeflate
 
 
 def _handshake_headers(ws) -> dict:
@@ -50,27 +95,35 @@ async def serve(state: ServerState) -> None:
 
     async def answer(frame: str) -> None:
         try:
-            data = json.loads(frame)
-        except ValueError as exc:
-            await send(ApiError(400, f"the frame is not valid JSON: {exc}").body())
-            return
-        try:
-            result = await openai_api.chat_completions(state, data, headers, tenant)
+            result = await openai_api.chat_completions(state, parse_json(frame), headers, tenant)
+            if not isinstance(result, Response):
+                await send(result)
+                return
+            async with result.response as body:  # the SSE stream: one frame per data line
+                async for chunk in body:
+                    for line in chunk.decode().split("\n"):
+                        if line.startswith("data: "):
+                            await send(line[6:])
         except ApiError as exc:
             await send({**exc.body(), "status": exc.status})
-            return
-        if not isinstance(result, Response):
-            await send(result)
-            return
-        async with result.response as body:  # the SSE stream: one frame per data line
-            async for chunk in body:
-                for line in chunk.decode().split("\n"):
-                    if line.startswith("data: "):
-                        await send(line[6:])
+        except Exception:  # this frame's fault alone: its siblings go on
+            log.exception("a WebSocket frame failed")
+            await send(
+                {**ApiError(500, "internal error", type="server_error").body(), "status": 500}
+            )
+        finally:
+            in_flight.release()
 
+    in_flight = trio.Semaphore(MAX_IN_FLIGHT)
     async with trio.open_nursery() as nursery:
         while True:
             frame = await ws.receive()
             if isinstance(frame, bytes):
                 frame = frame.decode("utf-8", errors="replace")
+            try:
+                in_flight.acquire_nowait()
+            except trio.WouldBlock:
+                too_many = f"{MAX_IN_FLIGHT} requests are already running on this socket"
+                await send({**ApiError(429, too_many).body(), "status": 429})
+                continue
             nursery.start_soon(answer, frame)

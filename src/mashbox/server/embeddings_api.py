@@ -3,7 +3,8 @@
 Pooling: the mean of the final (normalized) hidden states over every token of the input,
 L2-normalized, in float64. Each input is its own request through the scheduler (same slots,
 queue limits and cancellation as generation) and runs alone in its slot, so a vector never
-depends on what else is in the batch.
+depends on what else is in the batch. A request holds at most half the slots at a time, with
+a bounded number of inputs and tokens, all tokenized off the event loop.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import trio
 from ..protocol import SamplingParams
 from ..scheduler import Embedding, Failed, Finished, Request
 from .errors import ApiError, bad_request, not_ready
-from .generation import check_model
+from .generation import check_model, encode_prompt
 from .openai_api import failure, submit
 from .state import ServerState
 from .validate import Body
+
+MAX_INPUTS = 2048  # OpenAI's bound
+MAX_TOKENS = 300_000  # tokens of all inputs of one request (OpenAI's bound)
 
 
 def inputs_of(body: Body) -> list[str]:
@@ -25,6 +29,8 @@ def inputs_of(body: Body) -> list[str]:
         value = [value]
     if not isinstance(value, list) or not value:
         raise bad_request("input must be a string or a non-empty list of strings", "input")
+    if len(value) > MAX_INPUTS:
+        raise bad_request(f"input holds {len(value)} strings; at most {MAX_INPUTS}", "input")
     if not all(isinstance(v, str) for v in value):
         raise bad_request("input: token-id inputs are not supported; send strings", "input")
     return value
@@ -42,20 +48,25 @@ async def embeddings(state: ServerState, data, headers, tenant: str = "") -> dic
     if body.raw("encoding_format", "float") != "float":
         raise bad_request("encoding_format: only float is supported", "encoding_format")
     texts = inputs_of(body)
-    tok = state.tokenizer
-    ids = [tok.encode(text, add_bos=tok.add_bos) for text in texts]
-    for i, tokens in enumerate(ids):
+    ids: list[list[int]] = []
+    total = 0
+    for i, text in enumerate(texts):
+        tokens = await encode_prompt(state, text, "input")
         if not tokens:
             raise bad_request(f"input[{i}] is empty", "input")
         if len(tokens) > state.ctx:
             raise bad_request(
                 f"input[{i}] is {len(tokens)} tokens; the context is {state.ctx}", "input"
             )
+        ids.append(tokens)
+        total += len(tokens)
+        if total > MAX_TOKENS:
+            raise bad_request(f"input is more than {MAX_TOKENS} tokens in all", "input")
     vectors: list[tuple[float, ...] | None] = [None] * len(ids)
-    limit = trio.Semaphore(max(1, state.slots))  # at most a slot's worth in flight at once
+    todo = iter(range(len(ids)))
 
-    async def one(i: int) -> None:
-        async with limit:
+    async def worker() -> None:
+        for i in todo:  # the workers share one iterator: each input is taken once
             request = Request(tuple(ids[i]), SamplingParams(), 1, tenant=tenant, embed=True)
             seq, events = submit(state, request)
             try:
@@ -66,15 +77,16 @@ async def embeddings(state: ServerState, data, headers, tenant: str = "") -> dic
                         elif isinstance(event, Failed):
                             raise failure(event)
                         elif isinstance(event, Finished):
-                            return
-                raise ApiError(500, "the request was dropped", type="server_error")
+                            break
+                    else:
+                        raise ApiError(500, "the request was dropped", type="server_error")
             finally:
                 state.scheduler.cancel(seq)
 
     try:
         async with trio.open_nursery() as nursery:
-            for i in range(len(ids)):
-                nursery.start_soon(one, i)
+            for _ in range(min(len(ids), max(1, state.slots // 2))):
+                nursery.start_soon(worker)
     except BaseExceptionGroup as group:
         api_errors, _ = group.split(ApiError)
         if api_errors is None:
@@ -83,7 +95,7 @@ async def embeddings(state: ServerState, data, headers, tenant: str = "") -> dic
         while isinstance(first, BaseExceptionGroup):
             first = first.exceptions[0]
         raise first from None
-    n = sum(len(t) for t in ids)
+    n = total
     return {
         "object": "list",
         "data": [

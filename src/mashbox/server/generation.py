@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import time
 
+import trio
+
 from ..protocol import SamplingParams
 from ..scheduler import Finished, Request, random_seed
+from ..text.stops import MAX_STOP_CHARS, MAX_STOPS
 from .errors import ApiError, bad_request
 from .state import ServerState
 from .validate import Body
@@ -58,6 +63,10 @@ def stop_strings(body: Body) -> tuple[str, ...]:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
         raise bad_request(f"{name} must be a string or a list of non-empty strings", name)
+    if len(value) > MAX_STOPS:
+        raise bad_request(f"{name} holds {len(value)} strings; at most {MAX_STOPS}", name)
+    if any(len(s) > MAX_STOP_CHARS for s in value):
+        raise bad_request(f"each of {name} must be at most {MAX_STOP_CHARS} characters", name)
     return tuple(value)
 
 
@@ -70,13 +79,37 @@ def max_new_tokens(body: Body, prompt_len: int, ctx: int) -> int:
     return max(ctx - prompt_len, 1)
 
 
+# Threads tokenizing at once, all requests together: prompts are tokenized off the event loop
+# (~0.7 s a MiB), and one tenant's big ones queue here, not in front of everyone's events.
+TOKENIZING = trio.CapacityLimiter(2)
+
+
+async def encode_prompt(state: ServerState, text: str, field: str) -> list[int]:
+    """The prompt's token ids (bos first where the model wants it), counted off the event
+    loop; a text too long for any context is a 400 before any work is done on it."""
+    tok = state.tokenizer
+    if len(text) > state.ctx * tok.max_token_chars:
+        raise bad_request(
+            f"the {field} is {len(text)} characters: more than a {state.ctx}-token context "
+            "can hold",
+            field,
+        )
+    encode = functools.partial(tok.encode, text, add_bos=tok.add_bos)
+    return await trio.to_thread.run_sync(encode, limiter=TOKENIZING)
+
+
+def prompt_field(body: Body) -> str:
+    """The field that holds a request's prompt, for errors to name."""
+    return next((k for k in ("messages", "input", "prompt") if k in body.data), "messages")
+
+
 def build_request(body: Body, state: ServerState, prompt_ids: list[int], tenant: str) -> Request:
     """Check the prompt fits the context and gather the generation fields."""
     if len(prompt_ids) >= state.ctx:
         raise bad_request(
             f"the prompt is {len(prompt_ids)} tokens; the context is {state.ctx} tokens "
             "(it must leave room for at least one new token)",
-            next((k for k in ("messages", "input", "prompt") if k in body.data), "messages"),
+            prompt_field(body),
         )
     return Request(
         prompt_ids=tuple(prompt_ids),
@@ -92,15 +125,34 @@ def build_request(body: Body, state: ServerState, prompt_ids: list[int], tenant:
 log = logging.getLogger("mashbox")
 
 
-def log_request(route: str, status: int, done: Finished | None, session: str | None, t0: float):
+MAX_SESSION_CHARS = 64  # a longer or unprintable session tag is logged as its hash
+
+
+def log_tag(body: Body, headers, tenant: str) -> str:
+    """What a request's log line names: its tenant (never the key) and its session tag
+    (prompt_cache_key or X-Session-Id), cut to a safe printable form."""
+    session = body.str("prompt_cache_key") or headers.get("x-session-id") or "-"  # any case
+    if len(session) > MAX_SESSION_CHARS or not session.isprintable() or " " in session:
+        session = "sha256:" + hashlib.sha256(session.encode("utf-8", "replace")).hexdigest()[:16]
+    return f"tenant={tenant or '-'} session={session}"
+
+
+def log_request(route: str, status: int, done: Finished | None, tag: str, t0: float):
     """One server log line per request when it ends (never a key, never the text)."""
     total_ms = (time.perf_counter() - t0) * 1000
     if done is None:
-        log.info("%s %d total=%.0fms session=%s", route, status, total_ms, session or "-")
+        log.info("%s %d total=%.0fms %s", route, status, total_ms, tag)
         return
     u, t = done.usage, done.timings
     log.info(
-        "%s %d prompt=%d cached=%d generated=%d queue=%.0fms total=%.0fms finish=%s session=%s",
-        route, status, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
-        t.queue_ms, total_ms, done.reason, session or "-",
-    )  # fmt: skip
+        "%s %d prompt=%d cached=%d generated=%d queue=%.0fms total=%.0fms finish=%s %s",
+        route,
+        status,
+        u.prompt_tokens,
+        u.cached_tokens,
+        u.completion_tokens,
+        t.queue_ms,
+        total_ms,
+        done.reason,
+        tag,
+    )

@@ -14,7 +14,7 @@ from ..text.parser import Reasoning, ToolCall
 from . import chat
 from .chat import ToolChoice
 from .errors import ApiError, bad_request, not_ready
-from .generation import build_request, check_model, log_request
+from .generation import build_request, check_model, encode_prompt, log_request, log_tag
 from .state import ServerState
 from .validate import Body
 
@@ -33,7 +33,7 @@ def submit(state: ServerState, request: Request):
         raise ApiError(429, str(exc), type="rate_limit_error", code=code, headers=headers) from None
 
 
-def logged_failure(route: str, session: str | None, t0: float):
+def logged_failure(route: str, session: str, t0: float):
     """The error for a failed answer, after its log line."""
 
     def fail(event: Failed) -> ApiError:
@@ -187,11 +187,6 @@ def include_usage(body: Body) -> bool:
     return bool(options and options.bool("include_usage", False))
 
 
-def session_tag(body: Body, headers) -> str | None:
-    """prompt_cache_key or X-Session-Id: tags the request in the server log."""
-    return body.str("prompt_cache_key") or headers.get("X-Session-Id")
-
-
 # --- rendering -------------------------------------------------------------------------------
 
 
@@ -265,10 +260,10 @@ async def chat_completions(state: ServerState, data, headers, tenant: str = ""):
         tool_choice=chat_tool_choice(body),
         thinking=thinking_requested(body),
     )
-    ids = state.tokenizer.encode(prompt.text, add_bos=state.tokenizer.add_bos)
+    ids = await encode_prompt(state, prompt.text, "messages")
     request = build_request(body, state, ids, tenant)
     usage_chunk = include_usage(body)
-    session = session_tag(body, headers)
+    session = log_tag(body, headers, tenant)
     seq, events = submit(state, request)
     rid = "chatcmpl-" + secrets.token_hex(12)
     base = {"id": rid, "created": int(time.time()), "model": state.model_id}
@@ -371,10 +366,10 @@ async def completions(state: ServerState, data, headers, tenant: str = ""):
     body = Body(data)
     check_model(body, state)
     body.refuse("logprobs", "log probabilities are not returned")
-    ids = state.tokenizer.encode(completion_prompt(body), add_bos=state.tokenizer.add_bos)
+    ids = await encode_prompt(state, completion_prompt(body), "prompt")
     request = build_request(body, state, ids, tenant)
     usage_chunk = include_usage(body)
-    session = session_tag(body, headers)
+    session = log_tag(body, headers, tenant)
     seq, events = submit(state, request)
     rid = "cmpl-" + secrets.token_hex(12)
     base = {

@@ -11,7 +11,7 @@ from ..text.parser import Reasoning, ToolCall
 from . import chat
 from .chat import ToolChoice
 from .errors import bad_request, not_ready
-from .generation import build_request, check_model, log_request
+from .generation import build_request, check_model, encode_prompt, log_request, log_tag
 from .openai_api import event_stream, logged_failure, message_text, submit
 from .state import ServerState
 from .validate import Body
@@ -261,9 +261,9 @@ async def responses(state: ServerState, data, headers, tenant: str = ""):
         tool_choice=choice,
         thinking=thinking_of(body),
     )
-    ids = state.tokenizer.encode(prompt.text, add_bos=state.tokenizer.add_bos)
+    ids = await encode_prompt(state, prompt.text, "input")
     request = build_request(_max_tokens_field(body), state, ids, tenant)
-    session = body.str("prompt_cache_key") or headers.get("X-Session-Id")
+    session = log_tag(body, headers, tenant)
     seq, events = submit(state, request)
     rid = _id("resp")
     route = "/v1/responses"

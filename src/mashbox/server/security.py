@@ -8,6 +8,9 @@ Rules (seed 000 `info.description`, seed 001's security schemes):
 - A Host header naming the server by a name it does not answer to is refused (403), and so is
   a request whose Origin is another origin than the one it addresses (a web page elsewhere).
   `/health` and `/` stay open to local probes.
+- A server reached through a tunnel or proxy needs a key: `--allowed-host` without one is
+  refused at start (serve.make_guard), and a keyless server refuses any request that a
+  proxy forwarded (`Forwarded`, `X-Forwarded-For`, `Cf-Connecting-Ip`, `X-Real-Ip`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -23,8 +27,12 @@ import attrs
 from .errors import ApiError
 
 OPEN_PATHS = frozenset({"/", "/health", "/health/live"})  # probes: no key, no Host check
-# Seed 001 marks these `security: []`: they describe the server, never run the model.
-KEYLESS_PATHS = frozenset({"/v1/capabilities", "/v1/openapi.json"})
+# Seed 001 marks this `security: []`: it describes the server, never runs the model.
+# (/v1/openapi.json is /openapi.json under 001's name, and needs a key like it.)
+KEYLESS_PATHS = frozenset({"/v1/capabilities"})
+# What a reverse proxy or tunnel adds to a request it forwards.
+FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "cf-connecting-ip", "x-real-ip")
+_BEARER = re.compile(r"bearer\s+", re.IGNORECASE)
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
@@ -90,7 +98,13 @@ class Guard:
 
     @property
     def keys_required(self) -> bool:
-        return bool(self.keys) or not is_loopback(self.bound_host)
+        """Keys were given, or the server is reachable from elsewhere: bound off loopback,
+        or named by another host (a tunnel or proxy's)."""
+        return bool(self.keys) or not is_loopback(self.bound_host) or bool(self.allowed_hosts)
+
+    def authenticated(self, headers) -> bool:
+        """Whether the request may see what only key holders see (always, without keys)."""
+        return not self.keys_required or self.tenant(headers) is not None
 
     def host_allowed(self, host_header: str | None) -> bool:
         """Whether the Host header names this server (ports vary through SSH tunnels)."""
@@ -109,7 +123,7 @@ class Guard:
         """The tenant of the key the request carries, or None; every key is compared, each in
         constant time, so timing tells nothing about which or how much matched."""
         sent = [
-            value.removeprefix("Bearer ").removeprefix("bearer ").strip()
+            _BEARER.sub("", value, count=1).strip()  # the scheme in any case (RFC 9110)
             for value in (
                 headers.get("authorization"),
                 headers.get("x-api-key"),
@@ -134,6 +148,13 @@ class Guard:
         origin = headers.get("origin")
         if origin and not _same_origin(origin, host):
             raise ApiError(403, "requests from another origin are refused", type="forbidden")
+        if not self.keys and any(headers.get(h) for h in FORWARDING_HEADERS):
+            raise ApiError(
+                403,
+                "this request came through a proxy or tunnel, and this server has no API key: "
+                "start it with --api-key-file FILE or MASHBOX_API_KEY (or use ssh -L)",
+                type="forbidden",
+            )
         needs_key = path.startswith("/v1/") or path in ("/metrics", "/openapi.json")
         needs_key = needs_key and path not in KEYLESS_PATHS
         if not (needs_key and self.keys_required):

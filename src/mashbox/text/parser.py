@@ -221,7 +221,7 @@ def call_from_json(body: str) -> ToolCall | None:
     """A Hermes/Qwen tool-call body, `{"name": ..., "arguments": {...}}`, as a ToolCall."""
     try:
         call = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # model output may nest past the recursion limit
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
@@ -230,7 +230,7 @@ def call_from_json(body: str) -> ToolCall | None:
         # Some models encode the arguments object as a JSON string.
         try:
             args = json.loads(args) if args.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if args is None:
         args = {}

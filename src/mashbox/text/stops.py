@@ -2,22 +2,59 @@
 
 from __future__ import annotations
 
+MAX_STOPS = 16  # stop strings a request may give (OpenAI allows 4)
+MAX_STOP_CHARS = 256  # characters in one stop string
+
 
 class StopMatcher:
-    """Find stop strings in text that arrives in pieces.
+    """Find stop strings in text that arrives in pieces, with one Aho-Corasick automaton.
 
     The stop is the match that completes first in the text (the earliest-starting one
     among those ending at the same place), so the result does not depend on how the text
-    was split into feed() calls.
+    was split into feed() calls. Each character costs O(1) amortized whatever the stops,
+    and the automaton's state is the longest end of the text that begins some stop: exactly
+    what must be held back.
     """
 
     def __init__(self, stops: list[str]) -> None:
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError("stop strings must be non-empty strings")
-        self._stops = tuple(dict.fromkeys(stops))
+        self._goto: list[dict[str, int]] = [{}]
+        self._depth = [0]
+        self._stop: list[str | None] = [None]  # the longest stop ending at a state
+        for stop in dict.fromkeys(stops):
+            state = 0
+            for ch in stop:
+                if ch not in self._goto[state]:
+                    self._goto[state][ch] = len(self._goto)
+                    self._goto.append({})
+                    self._depth.append(self._depth[state] + 1)
+                    self._stop.append(None)
+                state = self._goto[state][ch]
+            self._stop[state] = stop
+        self._fail = self._links()
+        self._state = 0
         self._held = ""
         self._stopped = False
         self.matched: str | None = None  # the stop string that ended the text
+
+    def _links(self) -> list[int]:
+        """Failure links, breadth first; a state without a stop of its own ends the longest
+        stop of the state its link leads to."""
+        fail = [0] * len(self._goto)
+        queue = list(self._goto[0].values())
+        for state in queue:
+            for ch, child in self._goto[state].items():
+                queue.append(child)
+                fail[child] = 0 if state == 0 else self._next(fail, fail[state], ch)
+                if self._stop[child] is None:
+                    self._stop[child] = self._stop[fail[child]]
+        return fail
+
+    def _next(self, fail: list[int], state: int, ch: str) -> int:
+        while state and ch not in self._goto[state]:
+            state = fail[state]
+        return self._goto[state].get(ch, 0)
 
     @property
     def stopped(self) -> bool:
@@ -33,13 +70,15 @@ class StopMatcher:
         if self._stopped:
             return "", True
         buf = self._held + text
-        match = self._first_match(buf)
-        if match is not None:
-            self._stopped = True
-            self._held = ""
-            self.matched = match[1]
-            return buf[: match[0]], True
-        keep = self._partial_suffix(buf)
+        state = self._state
+        for i in range(len(self._held), len(buf)):
+            state = self._next(self._fail, state, buf[i])
+            stop = self._stop[state]
+            if stop is not None:
+                self._stopped, self._held, self.matched = True, "", stop
+                return buf[: i + 1 - len(stop)], True
+        self._state = state
+        keep = self._depth[state]
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], False
 
@@ -47,24 +86,3 @@ class StopMatcher:
         """Return the held-back text at the end of generation (a match that never completed)."""
         held, self._held = self._held, ""
         return "" if self._stopped else held
-
-    def _first_match(self, buf: str) -> tuple[int, str] | None:
-        """Return where the stop that ends first in buf starts, and which stop it is."""
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self._stops:
-            start = buf.find(stop)
-            if start >= 0:
-                cand = (start + len(stop), start, stop)
-                if best is None or cand[:2] < best[:2]:
-                    best = cand
-        return None if best is None else (best[1], best[2])
-
-    def _partial_suffix(self, buf: str) -> int:
-        """Return the length of the longest suffix of buf that begins some stop string."""
-        longest = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(buf)), longest, -1):
-                if buf.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest

@@ -248,6 +248,11 @@ class Tokenizer:
         self.eog_ids: frozenset[int] = vocab.eog_ids
         self.add_bos: bool = add_bos
         self.chat_template: str | None = chat_template
+        # No token stands for more characters than this: a longer text than ctx times it
+        # cannot fit a context, and is refused before any tokenizing.
+        self.max_token_chars: int = max(
+            max(map(len, vocab.tokens), default=1), max(map(len, self._piece_bytes), default=1)
+        )
         self.bos_token: str = "" if self.bos_id is None else vocab.tokens[self.bos_id]
         self.eos_token: str = "" if self.eos_id is None else vocab.tokens[self.eos_id]
 

@@ -1,0 +1,181 @@
+"""Tenant isolation through a real server with two tenants' keys: one tenant can neither read
+another's prompts (through cached token counts) nor hold the server from them."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from serverproc import ServerProcess, serving, wait_for
+
+# Every prompt starts with BOS: a tenant may share that one token with their own earlier ones.
+BOS = 1
+ALICE = {"Authorization": "Bearer k-alice"}
+BOB = {"Authorization": "Bearer k-bob"}
+
+
+@pytest.fixture(scope="module")
+def two_tenants(tiny_llama, tmp_path_factory):
+    """Keys of tenants alice and bob; two slots and 1 MiB of host prompt cache."""
+    keyfile = tmp_path_factory.mktemp("tenants") / "keys"
+    keyfile.write_text("k-alice alice\nk-bob bob\n")
+    with serving(
+        str(tiny_llama), "--ctx", "2048", "--slots", "2", "--cache-ram", "1",
+        "--api-key-file", str(keyfile),
+    ) as proc:  # fmt: skip
+        yield proc
+
+
+def complete(url: str, headers: dict, prompt: str, **extra) -> dict:
+    body = {"prompt": prompt, "max_tokens": 2, "ignore_eos": True, "temperature": 0, **extra}
+    r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached(response: dict) -> int:
+    return response["timings"]["cache_n"]
+
+
+def test_another_tenants_prompt_is_never_reused_from_a_free_slot(two_tenants):
+    """Alice's prompt stays in a slot after her request; bob's request with the same start
+    prefills it all (cache_n at most his own BOS: he learns nothing of it), alice's reuses it."""
+    url, secret = two_tenants.url, "The launch code is 7 4 1 9 and nobody may know it. " * 4
+    complete(url, ALICE, secret)
+    assert cached(complete(url, BOB, secret + "Guess")) <= BOS
+    assert cached(complete(url, ALICE, secret + "Again")) > 0
+
+
+def test_another_tenants_prompt_is_never_restored_from_the_host_cache(two_tenants):
+    """Both slots overwritten by bob: alice's prompt went to the host cache, which answers
+    her and not bob."""
+    url, secret = two_tenants.url, "My diary: today I buried the treasure by the oak. " * 6
+    complete(url, ALICE, secret)
+    for filler in ("wind and sea and sky " * 20, "stone and tree and rain " * 20):
+        complete(url, BOB, filler)
+    assert cached(complete(url, BOB, secret)) <= BOS
+    again = complete(url, ALICE, secret)
+    assert cached(again) == again["usage"]["prompt_tokens"] - 1
+
+
+def test_another_tenants_running_prompt_is_never_shared(two_tenants):
+    """While alice's stream holds a slot, bob's request with her prompt does not get a copy
+    of it (the busy-slot share), and alice's own second request, meanwhile, does."""
+    url, secret = two_tenants.url, "Private notes of a busy stream, not to be shared. " * 6
+    body = {"prompt": secret, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", url + "/v1/completions", json=body, headers=ALICE, timeout=120
+    ) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # alice is decoding
+        assert cached(complete(url, BOB, secret + "x")) <= BOS
+        assert cached(complete(url, ALICE, secret + "y")) > 0
+
+
+def test_stop_strings_are_bounded(two_tenants):
+    """10k stop strings (or one of 10k characters) are a 400 naming the field, in each
+    route's shape; 16 of 256 characters are served."""
+    url = two_tenants.url
+    many = [f"stop{i}" for i in range(10_000)]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for stop in (many, ["x" * 10_000], [f"{i:0256d}" for i in range(17)]):
+        r = httpx.post(url + "/v1/chat/completions", json={**chat, "stop": stop}, headers=ALICE)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+    r = httpx.post(
+        url + "/v1/messages",
+        json={**chat, "stop_sequences": many},
+        headers={**ALICE, "anthropic-version": "2023-06-01"},
+    )
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "stop_sequences" in r.json()["error"]["message"]
+    most = [f"{i:0256d}" for i in range(16)]
+    r = httpx.post(url + "/v1/chat/completions", json={**chat, "stop": most}, headers=ALICE)
+    assert r.status_code == 200, r.text
+
+
+def test_the_log_names_the_tenant_never_the_key_and_hashes_a_long_session(two_tenants):
+    url = two_tenants.url
+    complete(url, BOB, "log me", prompt_cache_key="s" * 5000)
+
+    def logged():  # the line is written as the response ends: it may trail it a little
+        lines = [line for line in two_tenants.lines if "session=sha256:" in line]
+        return lines[-1] if lines else None
+
+    line = wait_for(logged, 10)
+    assert "/v1/completions 200" in line and "tenant=bob" in line and "sss" not in line
+    assert all("k-bob" not in line and "k-alice" not in line for line in two_tenants.lines)
+
+
+def test_health_tells_a_keyless_probe_only_whether_it_is_up(two_tenants):
+    url = two_tenants.url
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    full = httpx.get(url + "/health", headers=BOB).json()
+    assert "worker_pid" in full and "waiting" in full
+
+
+def test_the_bearer_scheme_is_matched_in_any_case(two_tenants):
+    for scheme in ("Bearer", "bearer", "BEARER", "bEaReR"):
+        headers = {"Authorization": f"{scheme} k-alice"}
+        assert httpx.get(two_tenants.url + "/v1/models", headers=headers).status_code == 200
+
+
+def test_both_openapi_documents_need_a_key(two_tenants):
+    for path in ("/openapi.json", "/v1/openapi.json"):
+        assert httpx.get(two_tenants.url + path).status_code == 401, path
+        assert httpx.get(two_tenants.url + path, headers=ALICE).status_code == 200, path
+
+
+def test_a_keyless_server_refuses_what_a_proxy_forwarded(server):
+    """Behind a tunnel (cloudflared sets Cf-Connecting-Ip, most proxies X-Forwarded-For) a
+    keyless loopback server would serve the internet: it refuses, and says how to fix it."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for header in ("Forwarded", "X-Forwarded-For", "Cf-Connecting-Ip", "X-Real-Ip"):
+        r = httpx.post(
+            server.url + "/v1/chat/completions", json=chat, headers={header: "203.0.113.9"}
+        )
+        assert r.status_code == 403 and "--api-key-file" in r.json()["error"]["message"]
+    assert httpx.post(server.url + "/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_a_proxied_request_with_a_key_is_served(two_tenants):
+    headers = {**ALICE, "X-Forwarded-For": "203.0.113.9"}
+    assert httpx.get(two_tenants.url + "/v1/models", headers=headers).status_code == 200
+
+
+def test_allowed_host_without_a_key_is_refused_at_start(tiny_llama):
+    refused = ServerProcess(str(tiny_llama), "--allowed-host", "box.example", "--ctx", "64")
+    assert refused.wait_exit(60) == 1
+    assert any("refusing --allowed-host without an API key" in line for line in refused.lines)
+    refused.stop()
+
+
+def test_embedding_inputs_are_bounded(two_tenants):
+    url = two_tenants.url
+    r = httpx.post(url + "/v1/embeddings", json={"input": ["hi"] * 10_000}, headers=ALICE)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    assert "at most 2048" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/embeddings", json={"input": ["hi", "there"]}, headers=ALICE)
+    assert r.status_code == 200 and len(r.json()["data"]) == 2
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(two_tenants):
+    """15 MB of text in one message: a 400 naming the field, at once (tokenizing it would take
+    ~10 s of a core), in the chat, completions, embeddings and Anthropic shapes."""
+    url, big = two_tenants.url, "word " * 3_000_000
+    cases = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]}, "messages"),
+        ("/v1/completions", {"prompt": big}, "prompt"),
+        ("/v1/embeddings", {"input": big}, "input"),
+    ]
+    for path, body, field in cases:
+        r = httpx.post(url + path, json=body, headers=ALICE, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert "characters" in r.json()["error"]["message"]
+        assert r.elapsed.total_seconds() < 5, path
+    r = httpx.post(
+        url + "/v1/messages/count_tokens",
+        json={"messages": [{"role": "user", "content": big}]},
+        headers={**ALICE, "anthropic-version": "2023-06-01"},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["type"] == "error"
