@@ -3,6 +3,10 @@ another's prompts (through cached token counts) nor hold the server from them.""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+
 import httpx
 import pytest
 
@@ -179,3 +183,108 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(two_tenants)
         timeout=60,
     )
     assert r.status_code == 400 and r.json()["type"] == "error"
+
+
+@pytest.fixture(scope="module")
+def four_slots(tiny_llama, tmp_path_factory):
+    """Keys of alice and bob, four slots (two each by default), slow steps (~100 a second)."""
+    keyfile = tmp_path_factory.mktemp("four") / "keys"
+    keyfile.write_text("k-alice alice\nk-bob bob\n")
+    with serving(
+        str(tiny_llama), "--ctx", "2048", "--slots", "4", "--api-key-file", str(keyfile),
+        env={"MASHBOX_FAULTS": "slow=0.01"},
+    ) as proc:  # fmt: skip
+        yield proc
+
+
+def test_slow_readers_of_one_tenant_do_not_keep_another_waiting(four_slots):
+    """Alice opens four long streams and reads one event of each, then nothing; bob's short
+    request still finishes within seconds: alice holds at most her two slots (without the
+    cap bob waited 20 s), and a reader that is behind holds none once its answer is written."""
+    url = four_slots.url
+    body = {"prompt": "once upon a time", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    with contextlib.ExitStack() as stack:
+        readers = []  # kept: a line iterator that is garbage collected closes its stream
+        for i in range(4):
+            stream = stack.enter_context(
+                httpx.stream("POST", url + "/v1/completions", json=body, headers=ALICE, timeout=120)
+            )
+            readers.append(stream.iter_lines())
+            if i < 2:  # her first two run; the other two wait for her slots, not bob's
+                next(line for line in readers[-1] if line.startswith("data: "))
+        assert httpx.get(url + "/health", headers=BOB).json()["live_rows"] == 2  # her share
+        t0 = time.monotonic()
+        complete(url, BOB, "a short question", max_tokens=8)
+        assert time.monotonic() - t0 < 5
+
+
+def test_a_long_typed_decision_leaves_other_streams_decoding(tiny_llama):
+    """16 questions x 255 options (~4k rows) are read a prefill chunk's worth of rows a step,
+    so a concurrent stream's longest gap between tokens stays well under a second (1.66 s
+    when one step read them all); 64 x 255 is refused outright."""
+    questions = {
+        f"q{i}": {
+            "type": "choice",
+            "instructions": "Pick one.",
+            "criteria": {f"option{j}": None for j in range(255)},
+        }
+        for i in range(64)
+    }
+    state = "I was charged twice for my order. Please refund the duplicate payment today."
+    with serving(str(tiny_llama), "--ctx", "4096", "--slots", "2") as server:
+        url = server.url
+        too_big = {"model": "jev-latest", "state": state, "questions": questions}
+        assert httpx.post(url + "/v1/systemone", json=too_big, timeout=60).status_code == 422
+        gaps: list[float] = []
+
+        def stream() -> None:
+            body = {"prompt": "hello", "max_tokens": 3500, "ignore_eos": True, "stream": True}
+            last = None
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        now = time.monotonic()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        time.sleep(0.3)
+        read = {**too_big, "questions": dict(list(questions.items())[:16])}
+        r = httpx.post(url + "/v1/systemone", json=read, timeout=300)
+        reader.join()
+        assert r.status_code == 200 and len(r.json()["answers"]) == 16
+        assert max(gaps) < 1.0
+
+
+def test_a_poison_request_is_not_run_into_a_second_fault(tiny_llama):
+    """A prompt that crashes the engine whenever it is prefilled (crash_token), sent while an
+    innocent request decodes: the engine restarts once, the poison gets its error, and the
+    innocent runs again and finishes."""
+    from mashbox.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(tiny_llama)
+    innocent_prompt = "the cat sat on the mat"
+    poison_prompt = "zebra quagga xylophone"
+    token = min(set(tok.encode(poison_prompt)) - set(tok.encode(innocent_prompt)) - {tok.bos_id})
+    env = {"MASHBOX_FAULTS": f"slow=0.01,crash_token={token}"}
+    with serving(str(tiny_llama), "--ctx", "2048", "--slots", "2", env=env) as server:
+        url = server.url
+        results = {}
+
+        def innocent() -> None:
+            body = {"prompt": innocent_prompt, "max_tokens": 300, "ignore_eos": True}
+            results["innocent"] = httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+        thread = threading.Thread(target=innocent)
+        thread.start()
+        time.sleep(1.0)  # the innocent request is decoding
+        body = {"prompt": poison_prompt, "max_tokens": 4}
+        poison = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        thread.join()
+        assert poison.status_code == 500
+        assert results["innocent"].status_code == 200
+        assert results["innocent"].json()["usage"]["completion_tokens"] == 300
+        health = httpx.get(url + "/health").json()
+        assert health["worker_restarts"] == 1 and health["status"] == "ok"

@@ -85,6 +85,14 @@ def _parser() -> argparse.ArgumentParser:
         help="another host name clients may use for this server (repeatable)",
     )
     run.add_argument(
+        "--tenant-slots",
+        type=int,
+        default=None,
+        metavar="N",
+        help="slots one tenant's requests may hold at once (default: an equal share of --slots "
+        "among the key file's tenants, rounded up; 0 = no cap)",
+    )
+    run.add_argument(
         "--step-timeout",
         type=float,
         default=120.0,
@@ -137,6 +145,8 @@ def main(argv=None) -> int:
             _parser().error("--slots must be at least 1")
         if args.ctx is not None and args.ctx < 16:
             _parser().error("--ctx must be at least 16")
+        if args.tenant_slots is not None and args.tenant_slots < 0:
+            _parser().error("--tenant-slots must be 0 (no cap) or more")
         if args.cache_ram < 0:
             _parser().error("--cache-ram must be 0 (off) or more MiB")
         opts = ServeOptions(
@@ -156,6 +166,7 @@ def main(argv=None) -> int:
             decode_weights=args.decode_weights,
             allowed_hosts=tuple(args.allowed_host),
             ui=args.ui,
+            tenant_slots=args.tenant_slots,
         )
         return run(args.model, opts)
     if args.command == "kernels":

@@ -153,6 +153,8 @@ class Sequence:
     done: bool = False
     emitted: bool = False  # text has gone to the handler
     retried: bool = False  # the one run-again after an engine fault is spent
+    # A typed decision's reads so far: one tuple per branch, read a budget of rows a step.
+    readings: list = attrs.Factory(list)
     pending: int = 0  # steps sent that sample this sequence's next token, results not yet in
     t_start: float | None = None
     t_first: float | None = None
@@ -233,8 +235,11 @@ class Scheduler:
         stall_timeout: float = 30.0,
         observer: Observer | None = None,
         prompt_cache: PromptCache | None = None,
+        tenant_slots: int = 0,
     ):
+        """tenant_slots: slots one tenant's requests may hold at once (0: any number)."""
         self.tokenizer = tokenizer
+        self.tenant_slots = tenant_slots or slots
         self.observer = observer or Observer()
         self.prompt_cache = prompt_cache or PromptCache(0, 0)
         self._saves: list[Save] = []  # prompt-cache moves for the next step
@@ -362,10 +367,28 @@ class Scheduler:
         seq.done = True
         self.draining.append(seq)
 
+    def _poison(self) -> Sequence | None:
+        """The request to blame for a fault: the only one whose new work (admission, prompt
+        chunk or read) was in the lost steps, when others' decodes, fine the step before,
+        were there too. Alone in its steps, or with other new work, nobody is blamed."""
+        new, steady = set(), set()
+        for sent in self._sent:
+            step = sent.step
+            for slot in (
+                {a.slot for a in step.admits}
+                | {p.slot for p in step.prefills}
+                | {d.slot for d in step.decides}
+            ):
+                new.add(sent.owners[slot])
+            steady.update(sent.owners[d.slot] for d in step.decodes)
+        return next(iter(new)) if len(new) == 1 and steady - new else None
+
     def _on_fault(self) -> None:
         """The engine lost every slot: run each request again once, unless its client has
-        text already (streams) or it already had its second run."""
+        text already (streams), it already had its second run, or it is the poison
+        (`_poison`): run again, it would fault again and take everyone's slots again."""
         again = []
+        poison = self._poison()
         self._sent.clear()  # the new engine process never runs what the old one was sent
         self.prompt_cache.clear()  # the host copies lived in the engine process too
         self._saves, self._restores, self._shares, self._drops = [], [], [], []
@@ -375,12 +398,17 @@ class Scheduler:
             if seq is None:
                 continue
             self._release(seq)
+            if seq is poison:
+                log.warning("a request's new work faulted the engine: it is not run again")
+                self._fail(seq, Failed("the request faulted the engine and is not run again"))
+                continue
             if seq.retried or (seq.request.stream and seq.emitted):
                 self._fail(seq, Failed("the request failed on the device"))
                 continue
             seq.retried, seq.admitted, seq.prefilled, seq.cached = True, False, 0, 0
             seq.pending = 0
             seq.output_ids.clear()
+            seq.readings.clear()
             seq.outbox.clear()
             seq.detok = Detokenizer(self.tokenizer)
             seq.stops = StopMatcher(list(seq.request.stop))
@@ -451,12 +479,13 @@ class Scheduler:
             seq.slot = None
 
     def _admit(self) -> None:
-        """Give free slots to the oldest waiting requests, each to a free slot sharing the
-        longest prefix with its prompt (among equals the least recently used). The longest
-        matches are placed first: in a burst, a request whose own prompt a slot still holds
-        gets that slot, not a request that came before it and would share less."""
+        """Give free slots to waiting requests, fairly across tenants (`_pick`), each to a
+        free slot sharing the longest prefix with its prompt (among equals the least recently
+        used). The longest matches are placed first: in a burst, a request whose own prompt a
+        slot still holds gets that slot, not a request that came before it and would share
+        less."""
         free = [s for s in self.slots if s.seq is None]
-        batch = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
+        batch = self._pick(len(free))
 
         def match(seq: Sequence, slot: Slot) -> int:
             if seq.request.embed or slot.tenant != seq.request.tenant:
@@ -476,6 +505,29 @@ class Scheduler:
                 taken.add(slot.index)
         for i, seq in enumerate(batch):  # in arrival order: an earlier one can be a source
             self._place(seq, *chosen[i])
+
+    def _pick(self, n: int) -> list[Sequence]:
+        """Up to n waiting requests, round-robin across tenants: each goes to the tenant
+        holding the fewest slots (counting those just picked), the oldest request first among
+        equals; a tenant at `tenant_slots` waits. So one tenant's requests, however many or
+        slow, never keep another's from the next free slot."""
+        holding = collections.Counter(s.seq.request.tenant for s in self.slots if s.seq)
+        picked: list[Sequence] = []
+        while len(picked) < n:
+            best = None
+            for seq in self.waiting:  # oldest first
+                tenant = seq.request.tenant
+                if holding[tenant] >= self.tenant_slots:
+                    continue
+                if best is None or holding[tenant] < holding[best.request.tenant]:
+                    best = seq
+            if best is None:
+                break
+            self.waiting.remove(best)
+            holding[best.request.tenant] += 1
+            picked.append(best)
+        picked.sort(key=lambda s: s.t_submit)
+        return picked
 
     def _place(self, seq: Sequence, slot: Slot, shared: int) -> None:
         """Admit seq to slot, which holds `shared` tokens of its prompt (`_admit`'s match)."""
@@ -554,11 +606,15 @@ class Scheduler:
                 seq.admitted = True
             prompt = seq.request.prompt_ids
             if seq.request.branches and seq.prefilled == len(prompt):
-                decides.append(Decide(slot.index, len(prompt), seq.request.branches))
+                if budget > 0:
+                    group = _branch_rows(seq.request.branches[len(seq.readings) :], budget)
+                    budget -= sum(map(_rows, group))
+                    decides.append(Decide(slot.index, len(prompt), group))
             elif seq.decoding:
-                if not seq.outbox:  # a reader that is behind sits out until it catches up
-                    pos = len(seq.request.prompt_ids) + len(seq.output_ids) - 1
-                    decodes.append(Decode(slot.index, seq.output_ids[-1], pos))
+                # A reader that is behind does not hold its slot: its answer goes on into its
+                # outbox (at most max_tokens events) and frees the slot when it ends.
+                pos = len(seq.request.prompt_ids) + len(seq.output_ids) - 1
+                decodes.append(Decode(slot.index, seq.output_ids[-1], pos))
             elif budget > 0:
                 chunk = prompt[seq.prefilled : seq.prefilled + budget]
                 budget -= len(chunk)
@@ -566,8 +622,10 @@ class Scheduler:
                 branches, embed = seq.request.branches, seq.request.embed
                 sample = last and not branches
                 prefills.append(Prefill(slot.index, seq.prefilled, chunk, sample, embed))
-                if last and branches:  # read right after the chunk that completes the prefix
-                    decides.append(Decide(slot.index, len(prompt), branches))
+                if last and branches and budget > 0:  # read right after the last chunk
+                    group = _branch_rows(branches, budget)
+                    budget -= sum(map(_rows, group))
+                    decides.append(Decide(slot.index, len(prompt), group))
         moves = {
             "saves": tuple(self._saves),
             "restores": tuple(self._restores),
@@ -601,7 +659,7 @@ class Scheduler:
         decodes = []
         for slot in self.slots:
             seq = slot.seq
-            if seq is None or seq.cancelled or not seq.decoding or seq.outbox:
+            if seq is None or seq.cancelled or not seq.decoding:
                 continue
             n_prompt, n_out = len(seq.request.prompt_ids), len(seq.output_ids)
             if not seq.pending:
@@ -644,9 +702,12 @@ class Scheduler:
             seq = owner(d.slot)
             if seq is None:
                 continue
+            seq.readings.extend(result.decisions[d.slot])
+            if len(seq.readings) < len(seq.request.branches):
+                continue  # more branches to read, in the next steps
             prompt_tokens += len(seq.request.prompt_ids)
             seq.t_first = seq.t_last = now
-            seq.outbox.append(Decision(result.decisions[d.slot]))
+            seq.outbox.append(Decision(tuple(seq.readings)))
             self._finish(seq, "stop", flush=False)
         for d in step.decodes:
             seq = owner(d.slot)
@@ -718,6 +779,23 @@ class Scheduler:
             cache_n=seq.cached,
             queue_ms=round((seq.t_start - seq.t_submit) * 1000, 3),
         )
+
+
+def _rows(branch: Branch) -> int:
+    """Rows one branch adds to a step: its suffix and its leaves."""
+    return len(branch.token_ids) + len(branch.leaves)
+
+
+def _branch_rows(branches, budget: int) -> tuple:
+    """The first branches that fit `budget` rows a step, like a prompt chunk (at least one,
+    however many rows it has): a large read never holds the other streams for long."""
+    group, rows = [], 0
+    for branch in branches:
+        if group and rows + _rows(branch) > budget:
+            break
+        group.append(branch)
+        rows += _rows(branch)
+    return tuple(group)
 
 
 def random_seed() -> int:

@@ -56,6 +56,16 @@ class ServeOptions:
     decode_weights: str = "auto"
     allowed_hosts: tuple[str, ...] = ()
     ui: bool = False  # the chat page on /
+    tenant_slots: int | None = None  # None: an equal share among the key file's tenants
+
+
+def tenant_slots(opts: ServeOptions, guard: Guard) -> int:
+    """Slots one tenant may hold at once: --tenant-slots, else an equal share of the slots
+    among the tenants the keys name (all of them without keys, or with one tenant); 0 = all."""
+    if opts.tenant_slots is not None:
+        return opts.tenant_slots
+    tenants = len(set(guard.keys.values())) or 1
+    return -(-opts.slots // tenants)
 
 
 def bind(host: str, port: int, stall_timeout: float) -> socket.socket:
@@ -185,6 +195,7 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
         stall_timeout=opts.stall_timeout,
         observer=state.metrics,
         prompt_cache=cache,
+        tenant_slots=tenant_slots(opts, state.guard),
     )
     nursery.start_soon(state.scheduler.run)
     if info.kernels_fallback:

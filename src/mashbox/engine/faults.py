@@ -6,6 +6,8 @@ number (it keeps counting across worker restarts, so each fault fires once):
   raise@K   the step raises an exception
   hang@K    the step never returns (the scheduler's step deadline must catch it)
   slow=S    every step sleeps S seconds first (makes prefill/decode windows wide for tests)
+  crash_token=ID   the process exits in any step whose prompt chunks hold token ID (a
+            poison request: it crashes the engine however often it runs)
 """
 
 from __future__ import annotations
@@ -20,30 +22,38 @@ class InjectedFault(RuntimeError):
     """Raised by raise@K."""
 
 
-def parse(spec: str) -> tuple[dict[int, str], float]:
-    """Return ({step: action}, slow seconds) from a MASHBOX_FAULTS value."""
+def parse(spec: str) -> tuple[dict[int, str], float, frozenset[int]]:
+    """Return ({step: action}, slow seconds, crash tokens) from a MASHBOX_FAULTS value."""
     at: dict[int, str] = {}
     slow = 0.0
+    crash_tokens: set[int] = set()
     for item in filter(None, (part.strip() for part in spec.split(","))):
         if item.startswith("slow="):
             slow = float(item.removeprefix("slow="))
+            continue
+        if item.startswith("crash_token="):
+            crash_tokens.add(int(item.removeprefix("crash_token=")))
             continue
         action, _, step = item.partition("@")
         if action not in ("crash", "raise", "hang") or not step.isdigit():
             raise ValueError(f"bad {ENV} entry {item!r}")
         at[int(step)] = action
-    return at, slow
+    return at, slow, frozenset(crash_tokens)
 
 
 class Faults:
     """The faults this process was started with."""
 
     def __init__(self, spec: str | None = None):
-        self.at, self.slow = parse(os.environ.get(ENV, "") if spec is None else spec)
+        spec = os.environ.get(ENV, "") if spec is None else spec
+        self.at, self.slow, self.crash_tokens = parse(spec)
 
-    def before_step(self, index: int) -> None:
+    def before_step(self, index: int, prompt_ids=()) -> None:
+        """Misbehave as asked before step `index`, whose prompt chunks hold `prompt_ids`."""
         if self.slow:
             time.sleep(self.slow)
+        if self.crash_tokens and self.crash_tokens.intersection(prompt_ids):
+            os._exit(70)
         action = self.at.get(index)
         if action == "crash":
             os._exit(70)

@@ -37,7 +37,7 @@ def worker_main(
             return
         assert isinstance(msg, Step), type(msg)
         try:
-            faults.before_step(msg.index)
+            faults.before_step(msg.index, (t for p in msg.prefills for t in p.token_ids))
             conn.send(engine.step(msg))
         except Exception:
             conn.send(WorkerFailed(traceback.format_exc(limit=8)))
