@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - setup.sh installs it
 
 
 def live_rows(url: str) -> int:
-    return httpx.get(url + "/health", timeout=10).json()["live_rows"]
+    return httpx.get(url + "/health", headers=AUTH, timeout=10).json()["live_rows"]
 
 
 @pytest.fixture(scope="module")
