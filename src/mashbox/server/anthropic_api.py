@@ -196,7 +196,7 @@ async def count_tokens(state: ServerState, data) -> dict:
     if not state.ready:
         raise not_ready()
     prompt = prompt_of(state, Body(data))
-    return {"input_tokens": len(await encode_prompt(state, prompt.text, "messages"))}
+    return {"input_tokens": len(await encode_prompt(state, prompt.text, "messages", rendered=True))}
 
 
 def _usage(done: Finished) -> dict:
@@ -247,7 +247,7 @@ async def messages(state: ServerState, data, headers, tenant: str = ""):
     t0 = time.perf_counter()
     body = Body(data)
     prompt = prompt_of(state, body)
-    ids = await encode_prompt(state, prompt.text, "messages")
+    ids = await encode_prompt(state, prompt.text, "messages", rendered=True)
     request = build_request(body, state, ids, tenant)
     session = log_tag(body, headers, tenant)
     seq, events = submit(state, request)

@@ -123,6 +123,16 @@ def _without_template_tools(messages: list[dict], tools: list[dict] | None) -> l
     return out
 
 
+def _defused(value, defuse):
+    """value (parsed JSON) with `defuse` applied to every string in it, keys included: over
+    its JSON text, so no nesting depth recurses here."""
+    if value is None:
+        return None
+    text = json.dumps(value, ensure_ascii=False)
+    safe = defuse(text)
+    return value if safe == text else json.loads(safe)
+
+
 def render(
     state: ServerState,
     messages: list[dict],
@@ -145,6 +155,10 @@ def render(
     forced = tool_choice.mode in ("required", "function") and bool(tools)
     if forced:
         thinking = False  # the forced call starts the answer
+    # Whatever the client wrote is text: a special token's text in a message, a tool's
+    # description or a tool result cannot become a control token (a forged system turn).
+    defuse = state.tokenizer.defuse
+    messages, tools = _defused(messages, defuse), _defused(tools, defuse)
     messages = [
         {**m, "tool_calls": [_arguments_as_object(c) for c in m["tool_calls"]]}
         if m.get("tool_calls")
@@ -168,7 +182,7 @@ def render(
         prefix = "<tool_call>\n"
         if tool_choice.name is not None:
             # No space after the colon: the model writes ' {' as one token (token healing).
-            prefix += json.dumps({"name": tool_choice.name})[:-1] + ', "arguments":'
+            prefix += json.dumps({"name": defuse(tool_choice.name)})[:-1] + ', "arguments":'
         text += prefix
     in_reasoning = thinking and text.rstrip().endswith("<think>")
     names = frozenset((t.get("function") or {}).get("name") for t in tools or ())

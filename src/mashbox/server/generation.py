@@ -84,9 +84,13 @@ def max_new_tokens(body: Body, prompt_len: int, ctx: int) -> int:
 TOKENIZING = trio.CapacityLimiter(2)
 
 
-async def encode_prompt(state: ServerState, text: str, field: str) -> list[int]:
+async def encode_prompt(
+    state: ServerState, text: str, field: str, *, rendered: bool = False
+) -> list[int]:
     """The prompt's token ids (bos first where the model wants it), counted off the event
-    loop; a text too long for any context is a 400 before any work is done on it."""
+    loop; a text too long for any context is a 400 before any work is done on it. rendered:
+    a chat template's output, whose client text `chat.render` defused (a raw completions
+    prompt is the client's own, special tokens and all)."""
     tok = state.tokenizer
     if len(text) > state.ctx * tok.max_token_chars:
         raise bad_request(
@@ -94,7 +98,9 @@ async def encode_prompt(state: ServerState, text: str, field: str) -> list[int]:
             "can hold",
             field,
         )
-    encode = functools.partial(tok.encode, text, add_bos=tok.add_bos)
+    encode = functools.partial(
+        tok.encode_rendered if rendered else tok.encode, text, add_bos=tok.add_bos
+    )
     return await trio.to_thread.run_sync(encode, limiter=TOKENIZING)
 
 

@@ -260,7 +260,7 @@ async def chat_completions(state: ServerState, data, headers, tenant: str = ""):
         tool_choice=chat_tool_choice(body),
         thinking=thinking_requested(body),
     )
-    ids = await encode_prompt(state, prompt.text, "messages")
+    ids = await encode_prompt(state, prompt.text, "messages", rendered=True)
     request = build_request(body, state, ids, tenant)
     usage_chunk = include_usage(body)
     session = log_tag(body, headers, tenant)

@@ -45,6 +45,10 @@ class TokenType(enum.IntEnum):
     BYTE = 6
 
 
+# Put by `Tokenizer.defuse` inside a special token's text that a client wrote: a Unicode
+# noncharacter, which no text needs.
+DEFUSE = "\ufdd0"
+
 # Token types that are matched whole in text (llama.cpp's special-token cache).
 _SPECIAL_TYPES = frozenset({TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN})
 
@@ -228,14 +232,15 @@ class Tokenizer:
         self,
         *,
         vocab: _Vocab,
-        encode_text: Callable[[str], list[int]],
+        encode_text: Callable[[str, bool], list[int]],
         add_bos: bool,
         chat_template: str | None,
         fingerprint_parts: Sequence[Any],
     ) -> None:
         # Built by from_gguf / from_hf_folder; the arguments are not a stable interface.
         self._vocab = vocab
-        self._encode_text = encode_text
+        self._encode_text = encode_text  # (text, special tokens matched?) -> ids
+        self._specials, self._special_ids = _special_pattern(vocab)
         self._fingerprint_parts = fingerprint_parts
         self._piece_bytes = _token_bytes_table(vocab)
         self._ids: dict[str, int] = {}
@@ -280,8 +285,34 @@ class Tokenizer:
 
         With add_bos, bos_id is put first unless the ids already start with it.
         """
-        ids = self._encode_text(text) if text else []
-        if add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+        ids = self._encode_text(text, True) if text else []
+        return self._with_bos(ids) if add_bos else ids
+
+    def defuse(self, text: str) -> str:
+        """Client text made safe to put into a template: each special token's text in it gets
+        DEFUSE after its first character, so `encode_rendered` reads it as the plain text it
+        is. (DEFUSE itself, a noncharacter, is dropped from client text.)"""
+        text = text.replace(DEFUSE, "")
+        if self._specials is None:
+            return text
+        return self._specials.sub(lambda m: m.group()[0] + DEFUSE + m.group()[1:], text)
+
+    def encode_rendered(self, text: str, *, add_bos: bool = False) -> list[int]:
+        """The ids of a prompt rendered from defused client text: only the special tokens
+        the template itself wrote become control ids; client text is encoded with special
+        tokens off, so a message cannot forge a system or tool turn."""
+        if DEFUSE not in text:
+            return self.encode(text, add_bos=add_bos)
+        ids: list[int] = []
+        for piece in _split_specials(self._specials, self._special_ids, text):
+            if isinstance(piece, int):
+                ids.append(piece)
+            else:
+                ids.extend(self._encode_text(piece.replace(DEFUSE, ""), False))
+        return self._with_bos(ids) if add_bos else ids
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        if self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
         return ids
 
@@ -526,8 +557,19 @@ def _bpe_encoder(
         ]
     )
 
-    def encode(text: str) -> list[int]:
-        return tok.encode(text, add_special_tokens=False).ids
+    return _hf_encoder(tok)
+
+
+def _hf_encoder(tok) -> Callable[[str, bool], list[int]]:
+    """An encoder over a `tokenizers` tokenizer, and a copy of it that reads special tokens'
+    texts as plain text (`encode_special_tokens`)."""
+    import tokenizers
+
+    plain = tokenizers.Tokenizer.from_str(tok.to_str())
+    plain.encode_special_tokens = True
+
+    def encode(text: str, special: bool) -> list[int]:
+        return (tok if special else plain).encode(text, add_special_tokens=False).ids
 
     return encode
 
@@ -601,12 +643,12 @@ def _spm_encoder(vocab: _Vocab, proto: Any, *, prefix_space: bool) -> Callable[[
 
     sp = sentencepiece.SentencePieceProcessor(model_proto=proto.SerializeToString())
     n = len(vocab.tokens)
-    split = _special_splitter(vocab)
+    pattern, specials = _special_pattern(vocab)
 
-    def encode(text: str) -> list[int]:
+    def encode(text: str, special: bool) -> list[int]:
         out: list[int] = []
         prev_special = True
-        for piece in split(text):
+        for piece in _split_specials(pattern, specials, text) if special else [text]:
             if isinstance(piece, int):
                 out.append(piece)
                 prev_special = True
@@ -620,30 +662,33 @@ def _spm_encoder(vocab: _Vocab, proto: Any, *, prefix_space: bool) -> Callable[[
     return encode
 
 
-def _special_splitter(vocab: _Vocab) -> Callable[[str], list[str | int]]:
-    """Return a function that cuts text into plain fragments and special token ids."""
+def _special_pattern(vocab: _Vocab) -> tuple[re.Pattern | None, dict[str, int]]:
+    """The texts matched whole as special tokens (longest first, so that "<|im_end|>" wins
+    over a shorter token it starts with) and their ids; None where there are none."""
     specials: dict[str, int] = {}
     for i, (text, kind) in enumerate(zip(vocab.tokens, vocab.types, strict=True)):
-        if kind in _SPECIAL_TYPES:
+        if kind in _SPECIAL_TYPES and text:
             specials.setdefault(text, i)
     if not specials:
-        return lambda text: [text]
-    # Longest first, so that "<|im_end|>" wins over a shorter token it starts with.
-    pattern = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+        return None, specials
+    ordered = sorted(specials, key=len, reverse=True)
+    return re.compile("|".join(re.escape(t) for t in ordered)), specials
 
-    def split(text: str) -> list[str | int]:
-        out: list[str | int] = []
-        pos = 0
-        for m in pattern.finditer(text):
-            if m.start() > pos:
-                out.append(text[pos : m.start()])
-            out.append(specials[m.group()])
-            pos = m.end()
-        if pos < len(text):
-            out.append(text[pos:])
-        return out
 
-    return split
+def _split_specials(pattern, specials: dict[str, int], text: str) -> list[str | int]:
+    """Cut text into plain fragments and special token ids."""
+    if pattern is None:
+        return [text]
+    out: list[str | int] = []
+    pos = 0
+    for m in pattern.finditer(text):
+        if m.start() > pos:
+            out.append(text[pos : m.start()])
+        out.append(specials[m.group()])
+        pos = m.end()
+    if pos < len(text):
+        out.append(text[pos:])
+    return out
 
 
 # --- Hugging Face folders -------------------------------------------------------------------
@@ -742,12 +787,9 @@ def _from_tokenizer_json(
         first = tok.encode("", add_special_tokens=True).ids[:1]
         add_bos = vocab.bos_id is not None and first == [vocab.bos_id]
 
-    def encode(text: str) -> list[int]:
-        return tok.encode(text, add_special_tokens=False).ids
-
     return Tokenizer(
         vocab=vocab,
-        encode_text=encode,
+        encode_text=_hf_encoder(tok),
         add_bos=bool(add_bos),
         chat_template=template,
         fingerprint_parts=["tokenizer.json", tok.to_str()],
