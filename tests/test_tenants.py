@@ -307,3 +307,40 @@ def test_special_token_text_in_a_message_counts_as_plain_text(server):
         json={"messages": [{"role": "user", "content": forged}], "max_tokens": 1},
     )
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == tokens(forged)
+
+
+async def test_one_tenant_has_at_most_four_prompts_in_the_tokenizer():
+    """The tokenizer's line is shared (two threads): one tenant may have four prompts in it,
+    a fifth is a 429 at once; another tenant's prompt is still taken."""
+    from types import SimpleNamespace
+
+    import trio
+
+    from mashbox.server.errors import ApiError
+    from mashbox.server.generation import encode_prompt
+
+    class SlowTokenizer:
+        max_token_chars, add_bos = 1, False
+
+        def encode(self, text, add_bos=False):
+            time.sleep(0.2)
+            return [1]
+
+        encode_rendered = encode
+
+    state = SimpleNamespace(tokenizer=SlowTokenizer(), ctx=100)
+    outcomes: list[tuple[str, int]] = []
+
+    async def send(tenant: str) -> None:
+        try:
+            await encode_prompt(state, "hi", "prompt", tenant=tenant)
+            outcomes.append((tenant, 200))
+        except ApiError as exc:
+            outcomes.append((tenant, exc.status))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(6):
+            nursery.start_soon(send, "alice")
+        await trio.sleep(0.05)
+        nursery.start_soon(send, "bob")
+    assert sorted(outcomes) == [("alice", 200)] * 4 + [("alice", 429)] * 2 + [("bob", 200)]

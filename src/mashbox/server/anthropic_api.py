@@ -191,12 +191,16 @@ def prompt_of(state: ServerState, body: Body) -> chat.ChatPrompt:
     )
 
 
-async def count_tokens(state: ServerState, data) -> dict:
+async def count_tokens(state: ServerState, data, tenant: str = "") -> dict:
     """Prompt tokens after the chat template: what the model would see."""
     if not state.ready:
         raise not_ready()
     prompt = prompt_of(state, Body(data))
-    return {"input_tokens": len(await encode_prompt(state, prompt.text, "messages", rendered=True))}
+    return {
+        "input_tokens": len(
+            await encode_prompt(state, prompt.text, "messages", tenant=tenant, rendered=True)
+        )
+    }
 
 
 def _usage(done: Finished) -> dict:
@@ -247,7 +251,7 @@ async def messages(state: ServerState, data, headers, tenant: str = ""):
     t0 = time.perf_counter()
     body = Body(data)
     prompt = prompt_of(state, body)
-    ids = await encode_prompt(state, prompt.text, "messages", rendered=True)
+    ids = await encode_prompt(state, prompt.text, "messages", tenant=tenant, rendered=True)
     request = build_request(body, state, ids, tenant)
     session = log_tag(body, headers, tenant)
     seq, events = submit(state, request)

@@ -267,7 +267,7 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens():
-        return _json(await anthropic_api.count_tokens(state, await _json_body()))
+        return _json(await anthropic_api.count_tokens(state, await _json_body(), g.tenant))
 
     return app
 

@@ -51,7 +51,7 @@ async def embeddings(state: ServerState, data, headers, tenant: str = "") -> dic
     ids: list[list[int]] = []
     total = 0
     for i, text in enumerate(texts):
-        tokens = await encode_prompt(state, text, "input")
+        tokens = await encode_prompt(state, text, "input", tenant=tenant)
         if not tokens:
             raise bad_request(f"input[{i}] is empty", "input")
         if len(tokens) > state.ctx:

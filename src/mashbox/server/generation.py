@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import logging
@@ -82,10 +83,14 @@ def max_new_tokens(body: Body, prompt_len: int, ctx: int) -> int:
 # Threads tokenizing at once, all requests together: prompts are tokenized off the event loop
 # (~0.7 s a MiB), and one tenant's big ones queue here, not in front of everyone's events.
 TOKENIZING = trio.CapacityLimiter(2)
+# Prompts of one tenant being tokenized or waiting to be: past this, a 429, so one tenant's
+# flood cannot fill the line in front of everyone else's.
+MAX_TOKENIZING_PER_TENANT = 4
+_tokenizing: collections.Counter[str] = collections.Counter()
 
 
 async def encode_prompt(
-    state: ServerState, text: str, field: str, *, rendered: bool = False
+    state: ServerState, text: str, field: str, *, tenant: str = "", rendered: bool = False
 ) -> list[int]:
     """The prompt's token ids (bos first where the model wants it), counted off the event
     loop; a text too long for any context is a 400 before any work is done on it. rendered:
@@ -98,10 +103,22 @@ async def encode_prompt(
             "can hold",
             field,
         )
+    if _tokenizing[tenant] >= MAX_TOKENIZING_PER_TENANT:
+        raise ApiError(
+            429,
+            f"{MAX_TOKENIZING_PER_TENANT} of your prompts are being tokenized; retry shortly",
+            type="rate_limit_error",
+            code="tenant_queue_full",
+            headers={"Retry-After": "1"},
+        )
     encode = functools.partial(
         tok.encode_rendered if rendered else tok.encode, text, add_bos=tok.add_bos
     )
-    return await trio.to_thread.run_sync(encode, limiter=TOKENIZING)
+    _tokenizing[tenant] += 1
+    try:
+        return await trio.to_thread.run_sync(encode, limiter=TOKENIZING)
+    finally:
+        _tokenizing[tenant] -= 1
 
 
 def prompt_field(body: Body) -> str:

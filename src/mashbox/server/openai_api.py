@@ -260,7 +260,7 @@ async def chat_completions(state: ServerState, data, headers, tenant: str = ""):
         tool_choice=chat_tool_choice(body),
         thinking=thinking_requested(body),
     )
-    ids = await encode_prompt(state, prompt.text, "messages", rendered=True)
+    ids = await encode_prompt(state, prompt.text, "messages", tenant=tenant, rendered=True)
     request = build_request(body, state, ids, tenant)
     usage_chunk = include_usage(body)
     session = log_tag(body, headers, tenant)
@@ -366,7 +366,7 @@ async def completions(state: ServerState, data, headers, tenant: str = ""):
     body = Body(data)
     check_model(body, state)
     body.refuse("logprobs", "log probabilities are not returned")
-    ids = await encode_prompt(state, completion_prompt(body), "prompt")
+    ids = await encode_prompt(state, completion_prompt(body), "prompt", tenant=tenant)
     request = build_request(body, state, ids, tenant)
     usage_chunk = include_usage(body)
     session = log_tag(body, headers, tenant)

@@ -261,7 +261,7 @@ async def responses(state: ServerState, data, headers, tenant: str = ""):
         tool_choice=choice,
         thinking=thinking_of(body),
     )
-    ids = await encode_prompt(state, prompt.text, "input", rendered=True)
+    ids = await encode_prompt(state, prompt.text, "input", tenant=tenant, rendered=True)
     request = build_request(_max_tokens_field(body), state, ids, tenant)
     session = log_tag(body, headers, tenant)
     seq, events = submit(state, request)
