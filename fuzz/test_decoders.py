@@ -7,7 +7,7 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import EXAMPLES
+from conftest import AUTH, EXAMPLES
 
 ROUTES = [
     "/v1/chat/completions",
@@ -16,6 +16,7 @@ ROUTES = [
     "/v1/messages/count_tokens",
     "/v1/responses",
     "/v1/systemone",
+    "/v1/embeddings",
 ]
 FIELDS = [
     "model", "messages", "prompt", "input", "system", "instructions", "tools", "tool_choice",
@@ -58,7 +59,7 @@ bodies = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=8)
 def test_any_json_body_is_a_request_or_a_4xx(fuzz_server, route, body):
     body = {**body, "max_tokens": 1, "max_output_tokens": 1}  # keep generations short
     body.pop("max_completion_tokens", None)
-    r = httpx.post(fuzz_server.url + route, json=body, timeout=60)
+    r = httpx.post(fuzz_server.url + route, json=body, headers=AUTH, timeout=60)
     assert r.status_code < 500, (route, body, r.text[:300])
     if r.status_code >= 400:
         error = r.json()

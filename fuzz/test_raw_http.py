@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from conftest import EXAMPLES
+from conftest import AUTH, EXAMPLES
 
 GARBAGE = [
     b"\r\n\r\n",
@@ -99,7 +99,7 @@ def test_lying_content_length_and_slowloris_do_not_starve_others(fuzz_server):
                 sock.sendall(b"X-%d: y\r\n" % round_)
             assert _healthy(url)
             r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
-                           timeout=30)  # fmt: skip
+                           headers=AUTH, timeout=30)  # fmt: skip
             assert r.status_code == 200
     finally:
         for sock in held:

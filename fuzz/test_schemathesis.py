@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from conftest import EXAMPLES
+from conftest import AUTH, EXAMPLES
 
 
 def test_schemathesis_finds_nothing(fuzz_server, tmp_path):
@@ -30,6 +30,7 @@ def test_schemathesis_finds_nothing(fuzz_server, tmp_path):
             "--request-timeout", "30",  # a hang is a failure
             "--max-failures", "20",
             "--report-dir", str(tmp_path),
+            "--header", f"Authorization: {AUTH['Authorization']}",
         ],
         capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
