@@ -309,21 +309,21 @@ def test_special_token_text_in_a_message_counts_as_plain_text(server):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == tokens(forged)
 
 
-async def test_one_tenant_has_at_most_four_prompts_in_the_tokenizer():
-    """The tokenizer's line is shared (two threads): one tenant may have four prompts in it,
-    a fifth is a 429 at once; another tenant's prompt is still taken."""
+async def test_one_tenant_has_a_bounded_number_of_prompts_in_the_tokenizer():
+    """The tokenizer's line is shared (two threads): one tenant may have as many prompts in it
+    as may wait for a slot (32), one more is a 429 at once; another tenant's is still taken."""
     from types import SimpleNamespace
 
     import trio
 
     from mashbox.server.errors import ApiError
-    from mashbox.server.generation import encode_prompt
+    from mashbox.server.generation import MAX_TOKENIZING_PER_TENANT, encode_prompt
 
     class SlowTokenizer:
         max_token_chars, add_bos = 1, False
 
         def encode(self, text, add_bos=False):
-            time.sleep(0.2)
+            time.sleep(0.02)
             return [1]
 
         encode_rendered = encode
@@ -338,9 +338,11 @@ async def test_one_tenant_has_at_most_four_prompts_in_the_tokenizer():
         except ApiError as exc:
             outcomes.append((tenant, exc.status))
 
+    n = MAX_TOKENIZING_PER_TENANT
     async with trio.open_nursery() as nursery:
-        for _ in range(6):
+        for _ in range(n + 2):
             nursery.start_soon(send, "alice")
-        await trio.sleep(0.05)
+        await trio.sleep(0.01)
         nursery.start_soon(send, "bob")
-    assert sorted(outcomes) == [("alice", 200)] * 4 + [("alice", 429)] * 2 + [("bob", 200)]
+    assert n == 32
+    assert sorted(outcomes) == [("alice", 200)] * n + [("alice", 429)] * 2 + [("bob", 200)]

@@ -118,7 +118,11 @@ def cpu() -> tuple[str, frozenset[str]]:
 
 def compiler() -> str:
     """The compiler torch's builder runs (CXX, else c++), as its --version's first line."""
-    cxx = os.environ.get("CXX", "c++")
+    return _compiler_version(os.environ.get("CXX", "c++"))
+
+
+@functools.cache
+def _compiler_version(cxx: str) -> str:
     if shutil.which(cxx) is None:
         return ""
     out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)

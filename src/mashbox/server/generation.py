@@ -11,7 +11,7 @@ import time
 import trio
 
 from ..protocol import SamplingParams
-from ..scheduler import Finished, Request, random_seed
+from ..scheduler import MAX_WAITING_PER_TENANT, Finished, Request, random_seed
 from ..text.stops import MAX_STOP_CHARS, MAX_STOPS
 from .errors import ApiError, bad_request
 from .state import ServerState
@@ -84,8 +84,8 @@ def max_new_tokens(body: Body, prompt_len: int, ctx: int) -> int:
 # (~0.7 s a MiB), and one tenant's big ones queue here, not in front of everyone's events.
 TOKENIZING = trio.CapacityLimiter(2)
 # Prompts of one tenant being tokenized or waiting to be: past this, a 429, so one tenant's
-# flood cannot fill the line in front of everyone else's.
-MAX_TOKENIZING_PER_TENANT = 4
+# flood cannot fill the line in front of everyone else's. As many as may wait for a slot.
+MAX_TOKENIZING_PER_TENANT = MAX_WAITING_PER_TENANT
 _tokenizing: collections.Counter[str] = collections.Counter()
 
 
