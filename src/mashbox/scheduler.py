@@ -606,10 +606,7 @@ class Scheduler:
                 seq.admitted = True
             prompt = seq.request.prompt_ids
             if seq.request.branches and seq.prefilled == len(prompt):
-                if budget > 0:
-                    group = _branch_rows(seq.request.branches[len(seq.readings) :], budget)
-                    budget -= sum(map(_rows, group))
-                    decides.append(Decide(slot.index, len(prompt), group))
+                budget -= self._read(seq, budget, decides)
             elif seq.decoding:
                 # A reader that is behind does not hold its slot: its answer goes on into its
                 # outbox (at most max_tokens events) and frees the slot when it ends.
@@ -622,10 +619,8 @@ class Scheduler:
                 branches, embed = seq.request.branches, seq.request.embed
                 sample = last and not branches
                 prefills.append(Prefill(slot.index, seq.prefilled, chunk, sample, embed))
-                if last and branches and budget > 0:  # read right after the last chunk
-                    group = _branch_rows(branches, budget)
-                    budget -= sum(map(_rows, group))
-                    decides.append(Decide(slot.index, len(prompt), group))
+                if last and branches:  # read right after the chunk that completes the prefix
+                    budget -= self._read(seq, budget, decides)
         moves = {
             "saves": tuple(self._saves),
             "restores": tuple(self._restores),
@@ -644,6 +639,23 @@ class Scheduler:
             decides=tuple(decides),
             **moves,
         )
+
+    @staticmethod
+    def _read(seq: Sequence, budget: int, decides: list[Decide]) -> int:
+        """Plan the next of a decision's branches that fit `budget` rows (at least one, however
+        many rows it has, while any budget is left), like a prompt chunk: a large read never
+        holds the other streams for long. Return the rows planned."""
+        if budget <= 0:
+            return 0
+        group, rows = [], 0
+        for branch in seq.request.branches[len(seq.readings) :]:
+            n = len(branch.token_ids) + len(branch.leaves)  # its suffix and its leaves
+            if group and rows + n > budget:
+                break
+            group.append(branch)
+            rows += n
+        decides.append(Decide(seq.slot.index, len(seq.request.prompt_ids), tuple(group)))
+        return rows
 
     def _needs_latest_state(self) -> bool:
         """Whether the next step carries work that must be planned on the engine's latest
@@ -779,23 +791,6 @@ class Scheduler:
             cache_n=seq.cached,
             queue_ms=round((seq.t_start - seq.t_submit) * 1000, 3),
         )
-
-
-def _rows(branch: Branch) -> int:
-    """Rows one branch adds to a step: its suffix and its leaves."""
-    return len(branch.token_ids) + len(branch.leaves)
-
-
-def _branch_rows(branches, budget: int) -> tuple:
-    """The first branches that fit `budget` rows a step, like a prompt chunk (at least one,
-    however many rows it has): a large read never holds the other streams for long."""
-    group, rows = [], 0
-    for branch in branches:
-        if group and rows + _rows(branch) > budget:
-            break
-        group.append(branch)
-        rows += _rows(branch)
-    return tuple(group)
 
 
 def random_seed() -> int:
