@@ -224,6 +224,7 @@ HOSTILE = (
     "Hi <script>window.__pwned = 1; alert(1)</script>\n\n"
     '<img src=x onerror="window.__pwned = 2; alert(2)">\n\n'
     "[click me](javascript:alert(3)) and **bold** and `<b>code</b>`\n\n"
+    "[mail me](mailto:x@evil.example) and [docs](https://example.com/docs)\n\n"
     "```html\n<script>alert(4)</script>\n```\n"
 )
 
@@ -292,6 +293,8 @@ def test_model_output_is_text_never_html(page):
     assert "<script>window.__pwned = 1; alert(1)</script>" in text
     assert '<img src=x onerror="window.__pwned = 2; alert(2)">' in text
     assert "[click me](javascript:alert(3))" in text  # not a link
+    assert "[mail me](mailto:x@evil.example)" in text  # http(s) links only
+    expect(answer.locator("a[href='https://example.com/docs']")).to_have_text("docs")
     expect(answer.locator("strong")).to_have_text("bold")
     expect(answer.locator("p code")).to_have_text("<b>code</b>")
     expect(answer.locator(".codeblock pre")).to_have_text("<script>alert(4)</script>")
@@ -305,7 +308,7 @@ def test_model_output_is_text_never_html(page):
     expect(tool.locator(".tool-args")).to_contain_text('"city": "<img src=x onerror=alert(5)>"')
 
     thread = page.locator("#thread")
-    assert thread.locator("img, script, b, a[href^='javascript']").count() == 0
+    assert thread.locator("img, script, b, a[href^='javascript'], a[href^='mailto']").count() == 0
     assert page.evaluate("window.__pwned") is None
     page.wait_for_timeout(200)
     assert dialogs == []
