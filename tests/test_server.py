@@ -324,3 +324,11 @@ def test_request_log_line_carries_the_session_tag(server):
     assert "/v1/chat/completions 200" in chat_line and "generated=" in chat_line
     assert "queue=" in chat_line and "finish=" in chat_line
     assert any("/v1/completions 200" in line and "session=sess-b2" in line for line in lines)
+
+
+def test_head_is_the_ready_check_on_every_path(server):
+    """Seed 000: "200 when ready, 503 while loading, no body. The server answers HEAD the
+    same way on every path" (POST routes and unknown paths included)."""
+    for path in ("/health", "/", "/v1/models", "/v1/chat/completions", "/v1/messages", "/nope"):
+        r = httpx.head(server.url + path)
+        assert r.status_code == 200 and r.content == b"", path

@@ -112,6 +112,8 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
 
     @app.before_request
     async def guard():
+        if request.method == "HEAD":  # seed 000: the ready check, the same on every path
+            return Response(b"", status=200 if state.ready else 503)
         if request.routing_exception is not None:
             return  # 404 and 405 come first
         g.tenant = state.guard.check(request.path, request.headers)  # ApiErrors: api_error
