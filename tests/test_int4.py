@@ -17,12 +17,14 @@ from tinymodels import no_tokenizer, random_weights, write_gguf
 
 Q = gguf.GGMLQuantizationType
 EPS = 2.0**-8  # bf16 rounding: 8 significant bits, half an ulp of relative error
-REAL = (
-    registry.default_models_dir()
-    / registry.DEFAULT_MODEL
-    / registry.known_models()[registry.DEFAULT_MODEL]["filename"]
-)
-needs_real = pytest.mark.skipif(not REAL.is_file(), reason="the default model is not downloaded")
+
+
+@pytest.fixture(scope="session")
+def real():
+    """The shipped default model, fetched and checked on first use as `mashbox run` does
+    (a fresh machine fetches it here instead of skipping)."""
+    ref = registry.resolve(registry.DEFAULT_MODEL)
+    return registry.fetch(ref, registry.default_models_dir())
 
 
 def tiny_gguf(path, qtype_of, vocab=96):
@@ -114,9 +116,9 @@ def test_int4_decode_is_close_and_prefill_stays_float(tiny4, kind):
     assert torch.equal(w(big), F.linear(big, w.w))  # prefill-sized batches: the float path
 
 
-@needs_real
-def test_real_q4_1_blocks_load_exactly():
-    loaded = weights_mod.load(REAL, keep_blocks=EXACT_QTYPES)
+@pytest.mark.slow
+def test_real_q4_1_blocks_load_exactly(real):
+    loaded = weights_mod.load(real, keep_blocks=EXACT_QTYPES)
     assert loaded.blocks and all(b.qtype == Q.Q4_1 for b in loaded.blocks.values())
     # (q - 8) * d + zero, zero = m + 8 d, is q * d + m exactly in float32 when zero is: q * d
     # has at most 15 significant bits, so the sum is rounded once, as dequant.py's is.
@@ -163,21 +165,20 @@ def greedy_logits(engine: Engine, prompts: list[list[int]], forced=None) -> torc
 
 
 @pytest.mark.slow
-@needs_real
 @pytest.mark.parametrize("kind", ["int4", "int4a16", "int4a8", "int8"])
-def test_real_greedy_against_float32(kind):
+def test_real_greedy_against_float32(kind, real):
     """Where int4 / int8 and float32 greedy text part, and why: README "--decode-weights".
     int8 decodes through DecodeStack (decode_layers.cpp) where the CPU kernels build."""
     from mashbox.text.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_gguf(REAL)
+    tok = Tokenizer.from_gguf(real)
     prompts = [tok.encode(p) for p in PROMPTS]
-    ref = greedy_logits(Engine(REAL, slots=len(prompts), ctx=128), prompts)
+    ref = greedy_logits(Engine(real, slots=len(prompts), ctx=128), prompts)
     tokens = ref.argmax(-1)
     # The fast path fed the float32 path's tokens: its free-running text is the same up to
     # the first step where its pick differs, and then it is another text.
     fast = greedy_logits(
-        Engine(REAL, slots=len(prompts), ctx=128, decode_weights=kind), prompts, tokens
+        Engine(real, slots=len(prompts), ctx=128, decode_weights=kind), prompts, tokens
     )
     differs = fast.argmax(-1) != tokens
     top2 = ref.topk(2, dim=-1).values
