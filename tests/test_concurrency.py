@@ -284,6 +284,25 @@ def test_a_stream_that_has_sent_output_ends_with_an_error_event(tiny_llama):
         proc.stop()
 
 
+def test_a_responses_stream_that_has_sent_output_ends_with_error_then_response_failed(
+    tiny_llama,
+):
+    """Seed 000: "An error after the stream started is sent as event `error`, then
+    `response.failed` (the response with status failed and its error)"."""
+    proc = start_fault_server(tiny_llama, "crash@6")
+    try:
+        body = {"input": "Hello", "max_output_tokens": 30, "stream": True, "temperature": 0}
+        r = httpx.post(proc.url + "/v1/responses", json=body, timeout=120)
+        names = [x.split("\n")[0].removeprefix("event: ") for x in r.text.split("\n\n") if x]
+        assert "response.output_text.delta" in names
+        assert names[-2:] == ["error", "response.failed"]
+        failed = json.loads(r.text.strip().split("\n\n")[-1].split("data: ", 1)[1])
+        assert failed["response"]["status"] == "failed"
+        assert failed["response"]["error"]["code"] == "server_error"
+    finally:
+        proc.stop()
+
+
 def test_a_request_whose_retry_fails_too_gets_500(tiny_llama):
     proc = start_fault_server(tiny_llama, "crash@1,crash@2")
     try:

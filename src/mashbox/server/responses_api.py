@@ -369,6 +369,16 @@ async def responses(state: ServerState, data, headers, tenant: str = ""):
                     content_index=0, part=part),
             ]  # fmt: skip
 
+        def failure(message: str) -> list[bytes]:
+            """Seed 000: an error after the stream started is `error`, then `response.failed`
+            (the response with status failed and its error)."""
+            error = {"code": "server_error", "message": message}
+            failed = {**shell, "status": "failed", "output": output, "error": error}
+            return [
+                sse("error", code="server_error", message=message, param=None, request_id=rid),
+                sse("response.failed", response=failed),
+            ]
+
         try:
             yield sse("response.created", response=shell)
             yield sse("response.in_progress", response=shell)
@@ -377,13 +387,8 @@ async def responses(state: ServerState, data, headers, tenant: str = ""):
                     if isinstance(event, Restarted):
                         continue
                     if isinstance(event, Failed):
-                        for chunk in close():
+                        for chunk in close() + failure(event.message):
                             yield chunk
-                        error = {"code": "server_error", "message": event.message}
-                        yield sse("error", code="server_error", message=event.message,
-                                  param=None, request_id=rid)  # fmt: skip
-                        failed = {**shell, "status": "failed", "output": output, "error": error}
-                        yield sse("response.failed", response=failed)
                         log_request(route, event.status, None, session, t0)
                         return
                     if isinstance(event, Finished):
@@ -435,8 +440,8 @@ async def responses(state: ServerState, data, headers, tenant: str = ""):
                     )  # fmt: skip
                     yield sse(delta_kind, item_id=open_item["id"], output_index=len(output),
                               content_index=0, delta=event.text)  # fmt: skip
-            yield sse("error", code="server_error", message="the request was dropped",
-                      param=None, request_id=rid)  # fmt: skip
+            for chunk in close() + failure("the request was dropped"):
+                yield chunk
         finally:
             state.scheduler.cancel(seq)
 
