@@ -197,3 +197,39 @@ def test_pings_keep_a_silent_stream_alive(tiny_llama):
         assert names[-1] == "message_stop"
     finally:
         proc.stop()
+
+
+def test_text_documents_are_read_and_thinking_and_unknown_blocks_ignored(server):
+    """Seed 001: "Input thinking/redacted_thinking blocks and unknown block types are
+    ignored"; a document block whose source is text is read ("not PDFs")."""
+
+    def count(content) -> httpx.Response:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+        return httpx.post(server.url + "/v1/messages/count_tokens", json=body)
+
+    plain = count([{"type": "text", "text": "Summarize this."}]).json()["input_tokens"]
+    document = {"type": "document", "source": {"type": "text", "data": "A long memo " * 20}}
+    extra = [
+        {"type": "thinking", "thinking": "hmm", "signature": ""},
+        {"type": "redacted_thinking", "data": "x"},
+        {"type": "some_future_block", "x": 1},
+    ]
+    with_doc = count([document, {"type": "text", "text": "Summarize this."}, *extra])
+    assert with_doc.status_code == 200, with_doc.text
+    assert with_doc.json()["input_tokens"] > plain + 20
+    ignored = count([{"type": "text", "text": "Summarize this."}, *extra])
+    assert ignored.json()["input_tokens"] == plain
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                          "data": "JVBERi0="}}  # fmt: skip
+    r = count([pdf])
+    assert r.status_code == 400 and "document" in r.json()["error"]["message"]
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hello"},
+                                          {"type": "some_future_block"}]},  # fmt: skip
+        {"role": "user", "content": "again"},
+    ]
+    r = httpx.post(
+        server.url + "/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": history}
+    )
+    assert r.status_code == 200, r.text

@@ -22,6 +22,24 @@ SIGNATURE = "mashbox-local"
 # MASHBOX_PING_SECONDS changes it (tests make it short).
 PING_EVERY = float(os.environ.get("MASHBOX_PING_SECONDS", "5"))
 _MEDIA = ("image", "document", "audio", "file", "search_result", "container_upload")
+# Seed 001: input thinking / redacted_thinking blocks and unknown block types are ignored;
+# a document block is read when its source is text ("not PDFs").
+
+
+def _block_text(block: dict, at: str) -> str | None:
+    """A block's text for the model: text and text documents; None for a block that is
+    ignored; a 400 for media this model cannot read."""
+    kind = block.get("type")
+    if kind == "text" and isinstance(block.get("text"), str):
+        return block["text"]
+    source = block.get("source")
+    if kind == "document" and isinstance(source, dict) and source.get("type") == "text":
+        if not isinstance(source.get("data"), str):
+            raise bad_request(f"{at}.source.data must be a string")
+        return source["data"]
+    if kind in _MEDIA:
+        raise bad_request(f"{at} is a {kind} block: this model reads text only")
+    return None  # thinking, redacted_thinking and unknown types (seed 001)
 
 
 def _text_of(blocks, where: str) -> str:
@@ -32,13 +50,11 @@ def _text_of(blocks, where: str) -> str:
         raise bad_request(f"{where} must be a string or a list of text blocks")
     parts = []
     for j, block in enumerate(blocks):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            parts.append(block["text"])
-        elif kind in _MEDIA:
-            raise bad_request(f"{where}[{j}] is a {kind} block: this model reads text only")
-        else:
+        if not isinstance(block, dict):
             raise bad_request(f"{where}[{j}] must be a text block")
+        text = _block_text(block, f"{where}[{j}]")
+        if text is not None:
+            parts.append(text)
     return "\n".join(parts)
 
 
@@ -46,11 +62,10 @@ def _user_blocks(blocks: list, where: str) -> list[dict]:
     """A user turn: tool results become tool messages (first), text a user message."""
     results, texts = [], []
     for j, block in enumerate(blocks):
-        kind = block.get("type") if isinstance(block, dict) else None
         at = f"{where}.content[{j}]"
-        if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
-        elif kind == "tool_result":
+        if not isinstance(block, dict):
+            raise bad_request(f"{at} must be a content block")
+        if block.get("type") == "tool_result":
             content = block.get("content")
             text = _text_of(content, f"{at}.content") if content is not None else ""
             if block.get("is_error"):
@@ -58,10 +73,8 @@ def _user_blocks(blocks: list, where: str) -> list[dict]:
             results.append(
                 {"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": text}
             )
-        elif kind in _MEDIA:
-            raise bad_request(f"{at} is a {kind} block: this model reads text only")
-        else:
-            raise bad_request(f"{at}: a user turn holds text and tool_result blocks")
+        elif (text := _block_text(block, at)) is not None:
+            texts.append(text)
     return results + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
 
 
@@ -90,8 +103,7 @@ def _assistant_blocks(blocks: list, where: str) -> dict:
             )
         elif kind in _MEDIA:
             raise bad_request(f"{at} is a {kind} block: this model reads text only")
-        else:
-            raise bad_request(f"{at}: unknown block type {kind!r}")
+        # other types are ignored (seed 001)
     message = {"role": "assistant", "content": "".join(texts)}
     if thinking:
         message["reasoning_content"] = "\n".join(thinking)
