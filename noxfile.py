@@ -25,6 +25,7 @@ def lint(session):
     """ruff check and format check."""
     session.install("ruff")
     session.run("ruff", "check", "src", "tests", "fuzz", "bench", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "fuzz", "bench", "noxfile.py")
 
 
 @nox.session

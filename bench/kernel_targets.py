@@ -67,8 +67,10 @@ def main() -> None:
                 f"batch {b}: {s * 1e3:5.2f} ms ({s / base[b]:.3f}x)"
                 for b, s in res["steps"].items()
             )
-            print(f"  round {r + 1} {target:<15} {cells}  [{res['kernels']}, "
-                  f"load {res['load_s']:.1f} s]")
+            print(
+                f"  round {r + 1} {target:<15} {cells}  [{res['kernels']}, "
+                f"load {res['load_s']:.1f} s]"
+            )
 
 
 if __name__ == "__main__":

@@ -219,14 +219,16 @@ def test_text_documents_are_read_and_thinking_and_unknown_blocks_ignored(server)
     assert with_doc.json()["input_tokens"] > plain + 20
     ignored = count([{"type": "text", "text": "Summarize this."}, *extra])
     assert ignored.json()["input_tokens"] == plain
-    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
-                                          "data": "JVBERi0="}}  # fmt: skip
+    pdf_source = {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}
+    pdf = {"type": "document", "source": pdf_source}
     r = count([pdf])
     assert r.status_code == 400 and "document" in r.json()["error"]["message"]
     history = [
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": [{"type": "text", "text": "Hello"},
-                                          {"type": "some_future_block"}]},  # fmt: skip
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "Hello"}, {"type": "some_future_block"}],
+        },
         {"role": "user", "content": "again"},
     ]
     r = httpx.post(
