@@ -371,3 +371,15 @@ def test_shutdown_ends_streams_with_an_error_and_exits_0(tiny_llama, signum):
     proc.stop()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", int(proc.url.rsplit(":", 1)[1])), timeout=1)
+
+
+def test_a_request_whose_engine_hangs_twice_is_a_504_backend_timeout(tiny_llama):
+    """A hung engine is a timeout, not a crash: after its one retry hangs too, chat answers
+    504 with code backend_timeout, the name seed 004 gives it."""
+    proc = start_fault_server(tiny_llama, "hang@1,hang@2", "--step-timeout", "1")
+    try:
+        r = httpx.post(proc.url + CHAT, json=SEEDED, timeout=120)
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["code"] == "backend_timeout"
+    finally:
+        proc.stop()

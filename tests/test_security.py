@@ -241,3 +241,20 @@ async def test_the_whole_queue_holds_256_then_429_and_anthropic_529(tiny_llama, 
                 nursery.cancel_scope.cancel()
     finally:
         proc.stop()
+
+
+def test_systemone_auth_errors_in_seed_004s_shape_with_a_detail_object(keyed):
+    """TypeSafe's clients read a 401's detail.error_type and detail.message; seed 004's
+    `error` (message, code) is there too. Validation errors keep FastAPI's detail list."""
+    question = {"type": "noul", "instructions": "?"}
+    body = {"model": "jev-latest", "state": "s", "questions": {"q": question}}
+    r = httpx.post(keyed.url + "/v1/systemone", json=body)
+    assert r.status_code == 401
+    error = r.json()
+    assert error["error"]["code"] == "validation" and error["error"]["message"]
+    detail = {"error_type": "authentication_error", "message": error["error"]["message"]}
+    assert error["detail"] == detail
+    other = {**body, "model": "other"}
+    r = httpx.post(keyed.url + "/v1/systemone", json=other, headers={"x-api-key": "k-bob"})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "unknown_model"
+    assert isinstance(r.json()["detail"], list)

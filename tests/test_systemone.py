@@ -427,3 +427,14 @@ def test_confidence_formulas():
     assert decisions.score_confidence([0.5, 0.0, 0.5]) == 0  # mass far from the mode
     assert decisions.entropy_confidence([0.25] * 4) == pytest.approx(0)
     assert decisions.entropy_confidence([1.0, 0.0]) == 1
+
+
+def test_images_are_refused_not_dropped(decision_server):
+    """Seed 001's `images` need a vision projector this model lacks: a 422 naming the field,
+    not a decision made without them."""
+    body = {"model": "jev-latest", "state": STATE, "images": ["data:image/png;base64,AA=="],
+            "questions": {"q": {"type": "noul", "instructions": "?"}}}  # fmt: skip
+    r = post(decision_server, body)
+    assert r.status_code == 422
+    assert r.json()["error"]["code"] == "validation"
+    assert r.json()["detail"][0]["loc"] == ["body", "images"]

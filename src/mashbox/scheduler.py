@@ -30,7 +30,7 @@ from .protocol import (
 )
 from .text.stops import StopMatcher
 from .text.tokenizer import Detokenizer, Tokenizer
-from .worker_client import WorkerError
+from .worker_client import StepTimeout, WorkerError
 
 log = logging.getLogger("mashbox")
 
@@ -91,7 +91,8 @@ class Finished:
 
 @attrs.frozen
 class Failed:
-    """The answer could not be produced: 500 (device fault) or 503 (shutting down)."""
+    """The answer could not be produced: 500 (device fault), 504 (the engine hung) or 503
+    (shutting down)."""
 
     message: str
     status: int = 500
@@ -332,7 +333,7 @@ class Scheduler:
                     break
             except WorkerError as exc:
                 log.error("engine fault: %s", str(exc).strip().splitlines()[-1])
-                self._on_fault()
+                self._on_fault(hung=isinstance(exc, StepTimeout))
                 await self.worker.restart()
                 continue
             self._apply(self._sent.popleft(), result)
@@ -383,7 +384,7 @@ class Scheduler:
             steady.update(sent.owners[d.slot] for d in step.decodes)
         return next(iter(new)) if len(new) == 1 and steady - new else None
 
-    def _on_fault(self) -> None:
+    def _on_fault(self, hung: bool = False) -> None:
         """The engine lost every slot: run each request again once, unless its client has
         text already (streams), it already had its second run, or it is the poison
         (`_poison`): run again, it would fault again and take everyone's slots again."""
@@ -398,12 +399,16 @@ class Scheduler:
             if seq is None:
                 continue
             self._release(seq)
+            # A hung engine is a 504 (seed 004's backend_timeout), a crashed one a 500.
+            status = 504 if hung else 500
             if seq is poison:
                 log.warning("a request's new work faulted the engine: it is not run again")
-                self._fail(seq, Failed("the request faulted the engine and is not run again"))
+                message = "the request faulted the engine and is not run again"
+                self._fail(seq, Failed(message, status=status))
                 continue
             if seq.retried or (seq.request.stream and seq.emitted):
-                self._fail(seq, Failed("the request failed on the device"))
+                what = "timed out on the device" if hung else "failed on the device"
+                self._fail(seq, Failed(f"the request {what}", status=status))
                 continue
             seq.retried, seq.admitted, seq.prefilled, seq.cached = True, False, 0, 0
             seq.pending = 0

@@ -15,6 +15,10 @@ class WorkerError(Exception):
     """The worker process died, failed to load, or failed a step."""
 
 
+class StepTimeout(WorkerError):
+    """A step took longer than the step timeout: the engine counts as hung."""
+
+
 class WorkerProcess:
     """One engine process behind a pipe; the scheduler is its only caller."""
 
@@ -132,7 +136,7 @@ class Supervisor:
             self.compiles_after_ready += result.compiles - self._compiles_seen
             self._compiles_seen = result.compiles
             return result
-        raise WorkerError(f"an engine step took longer than {self.step_timeout:g} s")
+        raise StepTimeout(f"an engine step took longer than {self.step_timeout:g} s")
 
     async def restart(self) -> None:
         """Replace the worker; keep trying (health says loading meanwhile)."""

@@ -14,6 +14,7 @@ _ANTHROPIC_TYPES = {
     413: "request_too_large",
     415: "invalid_request_error",
     429: "rate_limit_error",
+    504: "timeout_error",
     529: "overloaded_error",
 }
 
@@ -46,8 +47,13 @@ class ApiError(Exception):
             kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
             return {"type": "error", "error": {"type": kind, "message": self.message}}
         if self.shape == "jev":
+            # Seed 004's `error`, and for TypeSafe's clients a `detail`: FastAPI's list on a
+            # validation error, else {error_type, message} (Anthropic's type names).
             body = {"error": {"message": self.message, "code": self.code}}
-            return {**body, "detail": self.detail} if self.detail else body
+            if self.detail:
+                return {**body, "detail": self.detail}
+            kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
+            return {**body, "detail": {"error_type": kind, "message": self.message}}
         return {
             "error": {
                 "message": self.message,
@@ -84,6 +90,13 @@ class ApiError(Exception):
             code = "body_too_large"
         elif status == 415:
             code = "unsupported_content"
+        elif status == 504:
+            code = "backend_timeout"
+        elif code == "model_not_found":
+            code = "unknown_model"
+        elif status in (401, 403, 404, 405):
+            # No code of seed 004's names these; `detail.error_type` does.
+            code = "validation"
         elif code not in JEV_CODES:
             # The seed has no code for auth, routing or method errors: they keep their
             # status and read as a request problem.
@@ -91,7 +104,7 @@ class ApiError(Exception):
             if status == 400:
                 status = 422
         detail = self.detail
-        if code == "validation" and not detail:
+        if code == "validation" and not detail and status == 422:
             detail = [{"loc": ["body"], "msg": self.message, "type": "value_error"}]
         return attrs.evolve(
             self, status=status, code=code, headers=headers, shape="jev", detail=detail

@@ -46,7 +46,8 @@ def logged_failure(route: str, session: str, t0: float):
 def failure(event: Failed) -> ApiError:
     if event.status == 503:
         return ApiError(503, event.message, type="unavailable", headers={"Retry-After": "5"})
-    return ApiError(event.status, event.message, type="server_error")
+    code = "backend_timeout" if event.status == 504 else None  # seed 004's name for it
+    return ApiError(event.status, event.message, type="server_error", code=code)
 
 
 # --- request parsing -------------------------------------------------------------------------

@@ -50,6 +50,10 @@ async def systemone(state: ServerState, data, tenant: str = "") -> dict:
     in seed 004's shape on this route)."""
     if not isinstance(data, dict):
         raise invalid((), "the body must be a JSON object", "dict_type")
+    # A field this route cannot honour is refused, not silently dropped: seed 001's `images`
+    # (it needs a vision projector). Other unknown fields are ignored, as on every route.
+    if data.get("images"):
+        raise invalid(("images",), "this model reads text only", "extra_forbidden")
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise invalid(("model",), f"is required: {d.JEV_MODEL} or {state.model_id}", "missing")
