@@ -38,8 +38,8 @@ def test_capabilities_come_from_the_routing_table(server, seed_schemas):
 
 def test_status_and_openapi(server, seed_schemas):
     status = httpx.get(server.url + "/v1/status").json()
-    check(seed_schemas["Status"] | {"properties": {}}, status)
-    assert status == {"runtime": "mashbox", "ready": True, "local_api": "running",
+    check(seed_schemas["Status"], status)
+    assert status == {"runtime": "localengine-llama", "ready": True, "local_api": "running",
                       "active_model": "tiny-llama.gguf"}  # fmt: skip
     doc = httpx.get(server.url + "/v1/openapi.json").json()
     check(seed_schemas["RuntimeOpenAPI"], doc)
@@ -103,7 +103,7 @@ async def test_embeddings_do_not_depend_on_the_batch(server):
 @pytest.mark.parametrize(
     ("body", "status", "field"),
     [
-        ({"input": "x", "model": "text-embedding-3-small"}, 404, "model"),
+        ({"input": "x", "model": "text-embedding-3-small"}, 400, "model"),  # 001: under 400
         ({"input": [1, 2, 3]}, 400, "input"),
         ({"input": [[1, 2]]}, 400, "input"),
         ({"input": []}, 400, "input"),
@@ -119,5 +119,24 @@ def test_embedding_errors_name_the_field(server, body, status, field):
     if field:
         error = r.json()["error"]
         assert field in error["message"] or error.get("param") == field
-        if status == 404:
+        assert isinstance(error["code"], str) and error["code"]  # seed 001's Error
+        if field == "model":
             assert error["code"] == "model_not_found"
+
+
+def test_embedding_and_websocket_errors_in_seed_001s_shape(server, seed_schemas):
+    """Seed 001's Error (a string code and a message) on every embeddings error, an input
+    past the context as context_length_exceeded, and on WebSocket error frames."""
+    from websockets.sync.client import connect
+
+    long = httpx.post(server.url + "/v1/embeddings", json={"input": "word " * 5000})
+    assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
+    for body in ({"input": []}, {"input": "x", "model": "other"}, {"input": "word " * 5000}):
+        check(seed_schemas["Error"], httpx.post(server.url + "/v1/embeddings", json=body).json())
+    url = server.url.replace("http://", "ws://") + "/v1/chat/completions/ws"
+    with connect(url) as ws:
+        for frame in ("{not json", json.dumps({"messages": []})):
+            ws.send(frame)
+            error = json.loads(ws.recv(timeout=30))
+            check(seed_schemas["Error"], error)
+            assert error["status"] == 400 and error["error"]["code"] == "invalid_request"

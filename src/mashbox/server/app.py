@@ -256,8 +256,9 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
 
     @app.get("/v1/status")
     async def status():
-        # LocalEngine's enum names its own runtimes; mashbox reports itself ("mashbox").
-        body = {"runtime": "mashbox", "ready": state.ready, "local_api": "running"}
+        # Seed 001's enum names LocalEngine's runtimes: mashbox runs GGUF files as its llama
+        # runtime does, and its clients accept nothing else.
+        body = {"runtime": "localengine-llama", "ready": state.ready, "local_api": "running"}
         if state.model_id:
             body["active_model"] = state.model_id
         return _json(body)
@@ -279,6 +280,7 @@ def _is_anthropic(path: str) -> bool:
 
 
 JEV_PATHS = frozenset({"/v1/systemone", "/v1/limits"})
+LOCALENGINE_PATHS = frozenset({"/v1/embeddings", WS_PATH})  # seed 001's routes: its Error
 
 
 def _shaped(error: ApiError, path: str) -> ApiError:
@@ -287,6 +289,8 @@ def _shaped(error: ApiError, path: str) -> ApiError:
         return error.for_anthropic()
     if path in JEV_PATHS:
         return error.for_jev()
+    if path in LOCALENGINE_PATHS:
+        return error.for_localengine()
     return error
 
 

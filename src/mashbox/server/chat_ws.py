@@ -76,6 +76,12 @@ def _handshake_headers(ws) -> dict:
     return headers
 
 
+def error_frame(exc: ApiError) -> dict:
+    """An error frame: seed 001's Error (a string code and a message), and its status."""
+    error = exc.for_localengine()
+    return {**error.body(), "status": error.status}
+
+
 async def serve(state: ServerState) -> None:
     ws = websocket._get_current_object()
     headers = _handshake_headers(ws)
@@ -105,12 +111,10 @@ async def serve(state: ServerState) -> None:
                         if line.startswith("data: "):
                             await send(line[6:])
         except ApiError as exc:
-            await send({**exc.body(), "status": exc.status})
+            await send(error_frame(exc))
         except Exception:  # this frame's fault alone: its siblings go on
             log.exception("a WebSocket frame failed")
-            await send(
-                {**ApiError(500, "internal error", type="server_error").body(), "status": 500}
-            )
+            await send(error_frame(ApiError(500, "internal error", type="server_error")))
         finally:
             in_flight.release()
 
@@ -124,6 +128,6 @@ async def serve(state: ServerState) -> None:
                 in_flight.acquire_nowait()
             except trio.WouldBlock:
                 too_many = f"{MAX_IN_FLIGHT} requests are already running on this socket"
-                await send({**ApiError(429, too_many).body(), "status": 429})
+                await send(error_frame(ApiError(429, too_many)))
                 continue
             nursery.start_soon(answer, frame)

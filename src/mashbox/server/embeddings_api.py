@@ -13,7 +13,7 @@ import trio
 
 from ..protocol import SamplingParams
 from ..scheduler import Embedding, Failed, Finished, Request
-from .errors import ApiError, bad_request, not_ready
+from .errors import ApiError, bad_request, not_ready, too_long
 from .generation import check_model, encode_prompt
 from .openai_api import failure, submit
 from .state import ServerState
@@ -55,7 +55,7 @@ async def embeddings(state: ServerState, data, headers, tenant: str = "") -> dic
         if not tokens:
             raise bad_request(f"input[{i}] is empty", "input")
         if len(tokens) > state.ctx:
-            raise bad_request(
+            raise too_long(
                 f"input[{i}] is {len(tokens)} tokens; the context is {state.ctx}", "input"
             )
         ids.append(tokens)

@@ -19,6 +19,20 @@ _ANTHROPIC_TYPES = {
 }
 
 
+# Seed 001's codes by status, where an error has no more particular one.
+_LOCALENGINE_CODES = {
+    400: "invalid_request",
+    401: "invalid_token",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    415: "unsupported_content",
+    429: "rate_limited",
+    503: "unavailable",
+    504: "timeout",
+}
+
 # Seed 004's error codes (ErrorDetail.code).
 JEV_CODES = frozenset(
     {
@@ -62,6 +76,17 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
+
+    def for_localengine(self) -> ApiError:
+        """The same error in seed 001's shape (embeddings, WebSocket frames): a string `code`
+        on every error, and an unknown model a 400 model_not_found."""
+        status, code = self.status, self.code
+        if code == "model_not_found":
+            status = 400
+        code = code or _LOCALENGINE_CODES.get(
+            status, "server_error" if status >= 500 else "invalid_request"
+        )
+        return attrs.evolve(self, status=status, code=code)
 
     def for_anthropic(self) -> ApiError:
         """The same error for an Anthropic client: 529 overloaded_error when the server
@@ -121,6 +146,11 @@ def invalid(loc: tuple, message: str, kind: str = "value_error", code="validatio
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+def too_long(message: str, param: str) -> ApiError:
+    """A prompt or input that cannot fit the context (OpenAI's and seed 001's code)."""
+    return ApiError(400, message, param=param, code="context_length_exceeded")
 
 
 def not_ready(retry_after: int = 5) -> ApiError:

@@ -13,7 +13,7 @@ import trio
 from ..protocol import SamplingParams
 from ..scheduler import MAX_WAITING_PER_TENANT, Finished, Request, random_seed
 from ..text.stops import MAX_STOP_CHARS, MAX_STOPS
-from .errors import ApiError, bad_request
+from .errors import ApiError, bad_request, too_long
 from .state import ServerState
 from .validate import Body
 
@@ -98,7 +98,7 @@ async def encode_prompt(
     prompt is the client's own, special tokens and all)."""
     tok = state.tokenizer
     if len(text) > state.ctx * tok.max_token_chars:
-        raise bad_request(
+        raise too_long(
             f"the {field} is {len(text)} characters: more than a {state.ctx}-token context "
             "can hold",
             field,
@@ -129,7 +129,7 @@ def prompt_field(body: Body) -> str:
 def build_request(body: Body, state: ServerState, prompt_ids: list[int], tenant: str) -> Request:
     """Check the prompt fits the context and gather the generation fields."""
     if len(prompt_ids) >= state.ctx:
-        raise bad_request(
+        raise too_long(
             f"the prompt is {len(prompt_ids)} tokens; the context is {state.ctx} tokens "
             "(it must leave room for at least one new token)",
             prompt_field(body),
