@@ -210,3 +210,32 @@ def test_responses_custom_and_namespace_tools(oai):
     assert call.type == "function_call" and call.name == "get_weather"
     assert call.namespace == "weather"
     assert json.loads(call.arguments) == CITY
+
+
+def test_a_stream_faulting_inside_a_held_back_tool_call_is_run_again(trained_model):
+    """The engine crashes while the answer is a <tool_call> the parser still holds back: the
+    client has had the role chunk and nothing else, so the request gets its one retry (seed
+    000: "one retry before first output") and the call arrives whole, not an error."""
+    import httpx
+
+    from serverproc import serving
+
+    body = {"messages": WEATHER_Q, "tools": TOOLS, "max_tokens": 80,
+            "stream": True, "temperature": 0}  # fmt: skip
+
+    def call_and_events(url: str) -> tuple[list, list]:
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+        calls = [c for e in events if e.get("choices") for c in
+                 e["choices"][0]["delta"].get("tool_calls") or []]  # fmt: skip
+        return calls, events
+
+    with serving(str(trained_model), "--ctx", "1024", "--slots", "2") as server:
+        reference, _ = call_and_events(server.url)
+    assert reference and reference[0]["function"]["name"] == "get_weather"
+    env = {"MASHBOX_FAULTS": "crash@5"}  # inside the call: its JSON is not done by step 5
+    with serving(str(trained_model), "--ctx", "1024", "--slots", "2", env=env) as server:
+        calls, events = call_and_events(server.url)
+        assert not any("error" in e for e in events), events[-1]
+        assert [c["function"] for c in calls] == [c["function"] for c in reference]
+        assert httpx.get(server.url + "/health").json()["worker_restarts"] == 1

@@ -153,6 +153,9 @@ class Sequence:
     cancelled: bool = False
     done: bool = False
     emitted: bool = False  # text has gone to the handler
+    # Output has gone to the client (set by the route as it writes it): what ends a stream's
+    # one retry. Text the route's parser still holds back (a tool call's start) is not.
+    delivered: bool = False
     retried: bool = False  # the one run-again after an engine fault is spent
     # A typed decision's reads so far: one tuple per branch, read a budget of rows a step.
     readings: list = attrs.Factory(list)
@@ -384,6 +387,13 @@ class Scheduler:
             steady.update(sent.owners[d.slot] for d in step.decodes)
         return next(iter(new)) if len(new) == 1 and steady - new else None
 
+    @staticmethod
+    def _unseen(seq: Sequence) -> bool:
+        """Whether a stream's client has received none of its output yet: nothing written,
+        and nothing waiting in the channel that the route would write before it reads the
+        restart (queued text could reach the client, then the retry repeat it)."""
+        return not seq.delivered and seq.channel.statistics().current_buffer_used == 0
+
     def _on_fault(self, hung: bool = False) -> None:
         """The engine lost every slot: run each request again once, unless its client has
         text already (streams), it already had its second run, or it is the poison
@@ -406,7 +416,7 @@ class Scheduler:
                 message = "the request faulted the engine and is not run again"
                 self._fail(seq, Failed(message, status=status))
                 continue
-            if seq.retried or (seq.request.stream and seq.emitted):
+            if seq.retried or (seq.request.stream and not self._unseen(seq)):
                 what = "timed out on the device" if hung else "failed on the device"
                 self._fail(seq, Failed(f"the request {what}", status=status))
                 continue
@@ -418,7 +428,7 @@ class Scheduler:
             seq.detok = Detokenizer(self.tokenizer)
             seq.stops = StopMatcher(list(seq.request.stop))
             seq.t_first = seq.t_last = None
-            if seq.emitted:  # non-streamed: the handler drops what it has collected
+            if seq.emitted:  # the handler drops what it collected or its parser holds
                 seq.outbox.append(Restarted())
                 seq.emitted = False
             again.append(seq)

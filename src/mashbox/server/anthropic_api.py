@@ -345,7 +345,7 @@ async def messages(state: ServerState, data, headers, tenant: str = ""):
             yield _sse("message_start", {"type": "message_start", "message": message})
             yield _sse("ping", {"type": "ping"})
             async with events:
-                async for event in chat.parsed(events, prompt, ping_every=PING_EVERY):
+                async for event in chat.parsed(events, prompt, seq, ping_every=PING_EVERY):
                     if isinstance(event, Ping):
                         yield _sse("ping", {"type": "ping"})
                     elif isinstance(event, Reasoning):

@@ -204,8 +204,10 @@ async def _receive(events, ping_every: float | None):
     return None
 
 
-async def parsed(events, prompt: ChatPrompt, *, ping_every: float | None = None):
+async def parsed(events, prompt: ChatPrompt, seq, *, ping_every: float | None = None):
     """Scheduler events with the answer's text parsed into reasoning, content and tool calls.
+    Each parsed item marks `seq` delivered as it is handed to the route to write: until then
+    (text the parser holds back) an engine fault still gives the request its retry.
 
     With ping_every, a Ping is yielded after that many seconds without an event (during a
     long prefill, say): the receive is cancelled, never the generator itself.
@@ -222,9 +224,11 @@ async def parsed(events, prompt: ChatPrompt, *, ping_every: float | None = None)
             continue
         if isinstance(event, TextDelta):
             for item in bare.pass_through(parser.feed(event.text)):
+                seq.delivered = True
                 yield item
         elif isinstance(event, Finished):
             for item in bare.finish(parser.finish()):
+                seq.delivered = True
                 yield item
             yield event
         elif isinstance(event, Restarted):
@@ -314,7 +318,7 @@ async def collect(state: ServerState, seq, events, prompt: ChatPrompt | None, fa
     Without a prompt (text completions) the text is not parsed: it is all content.
     """
     items: list = []
-    source = chat_events(events) if prompt is None else parsed(events, prompt)
+    source = chat_events(events) if prompt is None else parsed(events, prompt, seq)
     try:
         async with events:
             async for event in source:

@@ -312,7 +312,7 @@ async def chat_completions(state: ServerState, data, headers, tenant: str = ""):
         try:
             yield chunk({"role": "assistant", "content": ""})
             async with events:
-                async for event in chat.parsed(events, prompt):
+                async for event in chat.parsed(events, prompt, seq):
                     if isinstance(event, Reasoning):
                         yield chunk({"reasoning_content": event.text})
                     elif isinstance(event, ToolCall):
@@ -404,6 +404,7 @@ async def completions(state: ServerState, data, headers, tenant: str = ""):
             async with events:
                 async for event in events:
                     if isinstance(event, TextDelta):
+                        seq.delivered = True
                         yield text_chunk(event.text)
                     elif isinstance(event, Finished):
                         timings = attrs.asdict(event.timings)

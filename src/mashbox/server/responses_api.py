@@ -383,7 +383,7 @@ async def responses(state: ServerState, data, headers, tenant: str = ""):
             yield sse("response.created", response=shell)
             yield sse("response.in_progress", response=shell)
             async with events:
-                async for event in chat.parsed(events, prompt):
+                async for event in chat.parsed(events, prompt, seq):
                     if isinstance(event, Restarted):
                         continue
                     if isinstance(event, Failed):
