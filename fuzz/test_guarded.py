@@ -24,7 +24,10 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 header_values = st.one_of(
-    st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=40),
+    # Printable ASCII, no white space at either end (the client itself refuses that).
+    st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=40).map(
+        lambda v: v.strip() or "x"
+    ),
     st.sampled_from(["localhost", ALLOWED_HOST, "evil.example", "http://evil.example", "null",
                      "Bearer fuzz-key", "bearer fuzz-key", "Bearer wrong", "203.0.113.9"]),
 )  # fmt: skip
