@@ -160,7 +160,7 @@ RESPONSE_TOOLS = [{"type": "function", "name": "get_weather",
                    "parameters": trained.WEATHER_TOOL["function"]["parameters"]}]  # fmt: skip
 
 
-def test_responses_reasoning_and_function_call(oai):
+def test_responses_reasoning_and_function_call(oai, trained_model):
     r = oai.responses.create(
         model="trained.gguf", input="What is the weather in Paris today?",
         tools=RESPONSE_TOOLS, reasoning={"effort": "medium"}, max_output_tokens=80,
@@ -169,7 +169,13 @@ def test_responses_reasoning_and_function_call(oai):
     assert r.output[0].content[0].text == THOUGHT and r.output[0].summary == []
     call = r.output[1]
     assert call.name == "get_weather" and json.loads(call.arguments) == CITY
-    assert r.usage.output_tokens_details.reasoning_tokens > 0
+    # The tokens the model generated for its reasoning, think tags included (the trained
+    # model writes them as single tokens), not the reasoning text tokenized again.
+    from mashbox.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(trained_model)
+    generated = tok.encode(trained.WEATHER_THOUGHT.rstrip("\n"))
+    assert r.usage.output_tokens_details.reasoning_tokens == len(generated), generated
     events = list(oai.responses.create(
         model="trained.gguf", input="What is the weather in Paris today?", stream=True,
         tools=RESPONSE_TOOLS, reasoning={"effort": "medium"}, max_output_tokens=80,
@@ -179,6 +185,7 @@ def test_responses_reasoning_and_function_call(oai):
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert "response.reasoning_text.delta" in kinds
     assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == len(generated)
     follow = oai.responses.create(
         model="trained.gguf", tools=RESPONSE_TOOLS, max_output_tokens=40,
         input=[{"type": "message", "role": "user", "content": WEATHER_Q[0]["content"]},

@@ -53,9 +53,12 @@ class QueueFull(Exception):
 
 @attrs.frozen
 class TextDelta:
-    """New text of the answer."""
+    """New text of the answer, and how many generated tokens it is the text of (a token
+    whose text is held back, half a character or a possible stop string, counts with the
+    text that releases it)."""
 
     text: str
+    tokens: int = 1
 
 
 @attrs.frozen
@@ -153,6 +156,8 @@ class Sequence:
     cancelled: bool = False
     done: bool = False
     emitted: bool = False  # text has gone to the handler
+    unsent_tokens: int = 0  # generated tokens whose text is still held back
+    reasoning_tokens: int = 0  # generated tokens of reasoning, as the route's parser read them
     # Output has gone to the client (set by the route as it writes it): what ends a stream's
     # one retry. Text the route's parser still holds back (a tool call's start) is not.
     delivered: bool = False
@@ -424,6 +429,7 @@ class Scheduler:
             seq.pending = 0
             seq.output_ids.clear()
             seq.readings.clear()
+            seq.unsent_tokens = seq.reasoning_tokens = 0
             seq.outbox.clear()
             seq.detok = Detokenizer(self.tokenizer)
             seq.stops = StopMatcher(list(seq.request.stop))
@@ -756,9 +762,10 @@ class Scheduler:
         if token in self.tokenizer.eog_ids and not seq.request.ignore_eos:
             return self._finish(seq, "stop")
         text, stopped = seq.stops.feed(seq.detok.feed(token))
+        seq.unsent_tokens += 1
         if text:
-            seq.outbox.append(TextDelta(text))
-            seq.emitted = True
+            seq.outbox.append(TextDelta(text, seq.unsent_tokens))
+            seq.emitted, seq.unsent_tokens = True, 0
         if stopped:
             return self._finish(seq, "stop", flush=False)
         n_prompt, n_out = len(seq.request.prompt_ids), len(seq.output_ids)
@@ -770,8 +777,8 @@ class Scheduler:
             text, _ = seq.stops.feed(seq.detok.flush())
             text += seq.stops.flush()
             if text:
-                seq.outbox.append(TextDelta(text))
-                seq.emitted = True
+                seq.outbox.append(TextDelta(text, seq.unsent_tokens))
+                seq.emitted, seq.unsent_tokens = True, 0
         finished = Finished(reason, self._usage(seq), self._timings(seq), seq.stops.matched)
         n = len(seq.output_ids)
         self.observer.finished(

@@ -223,7 +223,11 @@ async def parsed(events, prompt: ChatPrompt, seq, *, ping_every: float | None = 
             yield Ping()
             continue
         if isinstance(event, TextDelta):
-            for item in bare.pass_through(parser.feed(event.text)):
+            before = parser.in_reasoning
+            items = bare.pass_through(parser.feed(event.text))
+            if before or parser.in_reasoning:  # the think tags count with the reasoning
+                seq.reasoning_tokens += event.tokens
+            for item in items:
                 seq.delivered = True
                 yield item
         elif isinstance(event, Finished):

@@ -281,9 +281,9 @@ async def responses(state: ServerState, data, headers, tenant: str = ""):
         "usage": None,
     }
 
-    def finished(done: Finished, output: list[dict], reasoning_text: str) -> dict:
+    def finished(done: Finished, output: list[dict]) -> dict:
         u = done.usage
-        reasoning_tokens = len(state.tokenizer.encode(reasoning_text)) if reasoning_text else 0
+        reasoning_tokens = seq.reasoning_tokens  # generated tokens, as the parser read them
         response = {
             **shell,
             "status": "incomplete" if done.reason == "length" else "completed",
@@ -312,7 +312,7 @@ async def responses(state: ServerState, data, headers, tenant: str = ""):
             output.append(_message_item(_id("msg"), text))
         output.extend(calls)
         log_request(route, 200, done, session, t0)
-        return finished(done, output, reasoning)
+        return finished(done, output)
 
     async def stream():
         number = 0
@@ -325,7 +325,6 @@ async def responses(state: ServerState, data, headers, tenant: str = ""):
 
         output: list[dict] = []
         open_item: dict | None = None  # the message or reasoning item being streamed
-        reasoning_all: list[str] = []
 
         def close() -> list[bytes]:
             nonlocal open_item
@@ -394,7 +393,7 @@ async def responses(state: ServerState, data, headers, tenant: str = ""):
                     if isinstance(event, Finished):
                         for chunk in close():
                             yield chunk
-                        response = finished(event, output, "".join(reasoning_all))
+                        response = finished(event, output)
                         kind = (
                             "response.incomplete"
                             if event.reason == "length"
@@ -432,8 +431,6 @@ async def responses(state: ServerState, data, headers, tenant: str = ""):
                         for chunk in close() + open_(kind):
                             yield chunk
                     open_item["content"][0]["text"] += event.text
-                    if kind == "reasoning":
-                        reasoning_all.append(event.text)
                     delta_kind = (
                         "response.reasoning_text.delta" if kind == "reasoning"
                         else "response.output_text.delta"

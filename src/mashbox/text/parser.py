@@ -126,6 +126,11 @@ class OutputParser:
         else:
             self._state = _State.CONTENT
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the text fed so far ends inside reasoning."""
+        return self._state is _State.REASONING
+
     def feed(self, text: str) -> list[Event]:
         """Add output text; return the events it completes."""
         self._buf += text
