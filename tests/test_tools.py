@@ -246,3 +246,23 @@ def test_a_stream_faulting_inside_a_held_back_tool_call_is_run_again(trained_mod
         assert not any("error" in e for e in events), events[-1]
         assert [c["function"] for c in calls] == [c["function"] for c in reference]
         assert httpx.get(server.url + "/health").json()["worker_restarts"] == 1
+
+
+def test_an_answer_that_calls_a_tool_is_counted_as_tool_calls(oai, url):
+    """/metrics' request_success_total{finished_reason="tool_calls"}: the route's parser
+    reads the calls, so the count comes when the route lets the request go."""
+    import httpx
+
+    def tool_calls_so_far() -> float:
+        for line in httpx.get(url + "/metrics").text.splitlines():
+            if line.startswith("mashbox:request_success_total") and "tool_calls" in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = tool_calls_so_far()
+    r = oai.chat.completions.create(
+        model="trained.gguf", messages=WEATHER_Q, tools=TOOLS, max_tokens=80,
+        extra_body=thinking(False),
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert tool_calls_so_far() == before + 1

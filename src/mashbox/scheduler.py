@@ -161,6 +161,9 @@ class Sequence:
     # Output has gone to the client (set by the route as it writes it): what ends a stream's
     # one retry. Text the route's parser still holds back (a tool call's start) is not.
     delivered: bool = False
+    called_tools: bool = False  # the route's parser read tool calls in the answer
+    finished: Finished | None = None  # how the answer ended, once it has
+    counted: bool = False  # its success is counted (when the route let go of it)
     retried: bool = False  # the one run-again after an engine fault is spent
     # A typed decision's reads so far: one tuple per branch, read a budget of rows a step.
     readings: list = attrs.Factory(list)
@@ -225,9 +228,12 @@ class Observer:
     def finished(
         self, done: Finished, *, queue_s: float, ttft_s: float, e2e_s: float, tpot_s: float | None
     ) -> None:
-        """A request ended with `done.reason` stop or length. Tool calls are decided by the
-        route from the text, so an answer that ends in tool calls is a "stop" here. Times
-        are from submission; `tpot_s` is the mean gap after the first token (None for one)."""
+        """A request's answer ended (`done.reason` stop or length). Times are from
+        submission; `tpot_s` is the mean gap after the first token (None for one)."""
+
+    def succeeded(self, reason: str) -> None:
+        """A finished request's route is done with it: stop, length, or tool_calls (which
+        only the route's parser can tell, so this comes when the route lets go)."""
 
 
 class Scheduler:
@@ -310,7 +316,12 @@ class Scheduler:
         return seq, receive
 
     def cancel(self, seq: Sequence) -> None:
-        """Forget a request now (its handler is gone); its slot frees before the next step."""
+        """Forget a request now (its handler is gone); its slot frees before the next step.
+        A request that finished is counted as a success now, with the route's reading of
+        its answer (`called_tools`)."""
+        if seq.finished is not None and not seq.counted:
+            seq.counted = True
+            self.observer.succeeded("tool_calls" if seq.called_tools else seq.finished.reason)
         if not seq.cancelled:
             seq.cancelled = True
             self._wakeup.set()
@@ -429,7 +440,7 @@ class Scheduler:
             seq.pending = 0
             seq.output_ids.clear()
             seq.readings.clear()
-            seq.unsent_tokens = seq.reasoning_tokens = 0
+            seq.unsent_tokens = 0  # (the route resets its own counts on Restarted)
             seq.outbox.clear()
             seq.detok = Detokenizer(self.tokenizer)
             seq.stops = StopMatcher(list(seq.request.stop))
@@ -780,6 +791,7 @@ class Scheduler:
                 seq.outbox.append(TextDelta(text, seq.unsent_tokens))
                 seq.emitted, seq.unsent_tokens = True, 0
         finished = Finished(reason, self._usage(seq), self._timings(seq), seq.stops.matched)
+        seq.finished = finished
         n = len(seq.output_ids)
         self.observer.finished(
             finished,

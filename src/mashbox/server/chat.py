@@ -229,15 +229,18 @@ async def parsed(events, prompt: ChatPrompt, seq, *, ping_every: float | None = 
                 seq.reasoning_tokens += event.tokens
             for item in items:
                 seq.delivered = True
+                seq.called_tools |= isinstance(item, ToolCall)
                 yield item
         elif isinstance(event, Finished):
             for item in bare.finish(parser.finish()):
                 seq.delivered = True
+                seq.called_tools |= isinstance(item, ToolCall)
                 yield item
             yield event
-        elif isinstance(event, Restarted):
+        elif isinstance(event, Restarted):  # what was read before the fault is void
             parser = prompt.parser()
             bare = _BareCalls(prompt.tool_names)
+            seq.reasoning_tokens, seq.called_tools = 0, False
             yield event
         elif isinstance(event, Failed):
             yield event

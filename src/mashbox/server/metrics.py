@@ -37,7 +37,7 @@ REQUEST_LATENCY_BUCKETS = (
 
 # The scheduler's reasons. An answer that ends in tool calls ends with "stop" there (the route
 # reads the calls out of the text afterwards), so it is counted as "stop".
-FINISH_REASONS = ("stop", "length")
+FINISH_REASONS = ("stop", "length", "tool_calls")
 
 
 class Metrics(Observer):
@@ -57,7 +57,8 @@ class Metrics(Observer):
 
         success = Counter(
             "mashbox:request_success",
-            "Requests answered, by finish reason (stop: end of turn, stop string or tool calls).",
+            "Requests answered, by finish reason: stop (end of turn or a stop string), length, "
+            "tool_calls (the answer called tools).",
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
@@ -126,11 +127,13 @@ class Metrics(Observer):
         if generated_tokens:
             self.generation_tokens.inc(generated_tokens)
 
+    def succeeded(self, reason: str) -> None:
+        self.request_success[reason].inc()
+
     def finished(
         self, done: Finished, *, queue_s: float, ttft_s: float, e2e_s: float, tpot_s: float | None
     ) -> None:
-        # Histograms count successful requests only; cancelled and failed ones are in neither.
-        self.request_success[done.reason].inc()
+        # Histograms count finished requests only; cancelled and failed ones are in neither.
         self.queue_time.observe(queue_s)
         self.ttft.observe(ttft_s)
         self.e2e.observe(e2e_s)
