@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -235,3 +237,24 @@ def test_text_documents_are_read_and_thinking_and_unknown_blocks_ignored(server)
         server.url + "/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": history}
     )
     assert r.status_code == 200, r.text
+
+
+def test_message_start_counts_only_the_uncached_prompt(server):
+    """Seed 000: input_tokens is the part of the prompt not served from cache, and
+    message_start says so on a cache hit, as the final usage does."""
+    history = "The ship left the harbour at dawn and sailed north for many days. " * 8
+    body = {"model": MODEL, "max_tokens": 2, "stream": True,
+            "messages": [{"role": "user", "content": history}]}  # fmt: skip
+
+    def starts_and_final() -> tuple[dict, dict]:
+        r = httpx.post(server.url + "/v1/messages", json=body, timeout=60)
+        data = [json.loads(x.split("data: ", 1)[1]) for x in r.text.split("\n\n") if "data: " in x]
+        start = next(d for d in data if d["type"] == "message_start")["message"]["usage"]
+        final = next(d for d in data if d["type"] == "message_delta")["usage"]
+        return start, final
+
+    starts_and_final()  # the prompt is now in a slot
+    start, final = starts_and_final()
+    assert start["cache_read_input_tokens"] > 0
+    assert start["input_tokens"] == final["input_tokens"]
+    assert start["cache_read_input_tokens"] == final["cache_read_input_tokens"]

@@ -11,6 +11,7 @@ from mashbox.protocol import PREVIOUS, Admit, Decode, Prefill, SamplingParams, S
 from mashbox.scheduler import (
     MAX_WAITING,
     MAX_WAITING_PER_TENANT,
+    Admitted,
     Finished,
     QueueFull,
     Request,
@@ -76,7 +77,8 @@ async def test_a_reader_that_takes_nothing_is_dropped_after_the_stall_timeout(pa
     # It was dropped after the channel filled and 0.5 s passed, long before 400 tokens.
     assert 0.5 <= elapsed < 10  # the channel fills (64 events), then 0.5 s of nothing taken
     received = [e async for e in events]  # the buffered events, then the closed channel
-    assert all(isinstance(e, TextDelta) for e in received)
+    assert isinstance(received[0], Admitted)  # its slot, then its text
+    assert all(isinstance(e, TextDelta) for e in received[1:])
     assert len(received) < 400
 
 

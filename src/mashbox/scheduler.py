@@ -116,6 +116,14 @@ class Decision:
 
 
 @attrs.frozen
+class Admitted:
+    """The request has a slot; `cached` of its prompt tokens come from a cache (its own
+    tenant's), the rest are prefilled. Sent again if the request runs again after a fault."""
+
+    cached: int
+
+
+@attrs.frozen
 class Restarted:
     """The engine failed before anything reached the client: the answer starts again."""
 
@@ -573,6 +581,7 @@ class Scheduler:
         del slot.tokens[seq.cached :]
         slot.tenant = seq.request.tenant
         seq.prefilled = seq.cached
+        seq.outbox.append(Admitted(seq.cached))
         self.observer.admitted(len(prompt), seq.cached)
         self._uses += 1
         slot.seq, slot.last_used, seq.slot = seq, self._uses, slot

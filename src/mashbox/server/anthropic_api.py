@@ -336,16 +336,21 @@ async def messages(state: ServerState, data, headers, tenant: str = ""):
             )
 
         try:
-            usage = {"input_tokens": len(ids), "cache_creation_input_tokens": 0,
-                     "cache_read_input_tokens": 0, "output_tokens": 0}  # fmt: skip
-            message = {
-                "id": mid, "type": "message", "role": "assistant", "model": model,
-                "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage,
-            }  # fmt: skip
-            yield _sse("message_start", {"type": "message_start", "message": message})
-            yield _sse("ping", {"type": "ping"})
             async with events:
-                async for event in chat.parsed(events, prompt, seq, ping_every=PING_EVERY):
+                # Seed 000: input_tokens is the part not served from cache. It is known once
+                # the request has a slot (at once, unless it queues: then, after a ping's
+                # wait, the whole prompt is counted here and the final usage corrects it).
+                cached, source = await chat.admission(events, PING_EVERY)
+                usage = {"input_tokens": len(ids) - (cached or 0),
+                         "cache_creation_input_tokens": 0,
+                         "cache_read_input_tokens": cached or 0, "output_tokens": 0}  # fmt: skip
+                message = {
+                    "id": mid, "type": "message", "role": "assistant", "model": model,
+                    "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage,
+                }  # fmt: skip
+                yield _sse("message_start", {"type": "message_start", "message": message})
+                yield _sse("ping", {"type": "ping"})
+                async for event in chat.parsed(source, prompt, seq, ping_every=PING_EVERY):
                     if isinstance(event, Ping):
                         yield _sse("ping", {"type": "ping"})
                     elif isinstance(event, Reasoning):

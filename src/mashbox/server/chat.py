@@ -12,7 +12,7 @@ import json
 import attrs
 import trio
 
-from ..scheduler import Failed, Finished, Restarted, TextDelta
+from ..scheduler import Admitted, Failed, Finished, Restarted, TextDelta
 from ..text.chat_template import ChatTemplateError
 from ..text.parser import (
     Content,
@@ -194,6 +194,34 @@ class Ping:
     """Nothing happened for a while (streams send a keep-alive event)."""
 
 
+class PutBack:
+    """A receive channel with one event put back in front of it."""
+
+    def __init__(self, first, events):
+        self._first, self._events = first, events
+
+    async def receive(self):
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await self._events.receive()
+
+
+async def admission(events, wait: float):
+    """(cached prompt tokens, the channel to read on) once the request has a slot, waiting
+    at most `wait` seconds: a stream's opening event can then say how much of the prompt a
+    cache served. (None, ...) when it is still queued, or something else came first."""
+    with trio.move_on_after(wait):
+        try:
+            first = await events.receive()
+        except trio.EndOfChannel:
+            return None, events
+        if isinstance(first, Admitted):
+            return first.cached, events
+        return None, PutBack(first, events)
+    return None, events
+
+
 async def _receive(events, ping_every: float | None):
     """The next event, or None after ping_every seconds without one (no timer without
     ping_every: a cancel scope per token is a measurable share of the server's time)."""
@@ -345,7 +373,10 @@ async def collect(state: ServerState, seq, events, prompt: ChatPrompt | None, fa
 async def chat_events(events):
     """Scheduler events with text as Content, unparsed (plain completions)."""
     async for event in events:
-        yield Content(event.text) if isinstance(event, TextDelta) else event
+        if isinstance(event, TextDelta):
+            yield Content(event.text)
+        elif isinstance(event, Finished | Failed | Restarted):
+            yield event
 
 
 def finish_reason(done: Finished, called_tools: bool) -> str:
