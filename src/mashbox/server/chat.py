@@ -255,14 +255,10 @@ async def parsed(events, prompt: ChatPrompt, seq, *, ping_every: float | None = 
             items = bare.pass_through(parser.feed(event.text))
             if before or parser.in_reasoning:  # the think tags count with the reasoning
                 seq.reasoning_tokens += event.tokens
-            for item in items:
-                seq.delivered = True
-                seq.called_tools |= isinstance(item, ToolCall)
+            for item in _handed(seq, items):
                 yield item
         elif isinstance(event, Finished):
-            for item in bare.finish(parser.finish()):
-                seq.delivered = True
-                seq.called_tools |= isinstance(item, ToolCall)
+            for item in _handed(seq, bare.finish(parser.finish())):
                 yield item
             yield event
         elif isinstance(event, Restarted):  # what was read before the fault is void
@@ -272,6 +268,15 @@ async def parsed(events, prompt: ChatPrompt, seq, *, ping_every: float | None = 
             yield event
         elif isinstance(event, Failed):
             yield event
+
+
+def _handed(seq, items: list):
+    """The items, each marking `seq` as the route is about to write it: its client has
+    output now (no retry after a fault), and whether the answer called tools."""
+    for item in items:
+        seq.delivered = True
+        seq.called_tools |= isinstance(item, ToolCall)
+        yield item
 
 
 class _BareCalls:
