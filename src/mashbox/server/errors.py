@@ -148,6 +148,13 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+def queue_full(message: str, *, whole_queue: bool) -> ApiError:
+    """429 with Retry-After: the server's queue is full, or this tenant's share of it."""
+    code = "queue_full" if whole_queue else "tenant_queue_full"
+    headers = {"Retry-After": "1"}
+    return ApiError(429, message, type="rate_limit_error", code=code, headers=headers)
+
+
 def too_long(message: str, param: str) -> ApiError:
     """A prompt or input that cannot fit the context (OpenAI's and seed 001's code)."""
     return ApiError(400, message, param=param, code="context_length_exceeded")

@@ -13,7 +13,7 @@ import trio
 from ..protocol import SamplingParams
 from ..scheduler import MAX_WAITING_PER_TENANT, Finished, Request, random_seed
 from ..text.stops import MAX_STOP_CHARS, MAX_STOPS
-from .errors import ApiError, bad_request, too_long
+from .errors import ApiError, bad_request, queue_full, too_long
 from .state import ServerState
 from .validate import Body
 
@@ -104,13 +104,8 @@ async def encode_prompt(
             field,
         )
     if _tokenizing[tenant] >= MAX_TOKENIZING_PER_TENANT:
-        raise ApiError(
-            429,
-            f"{MAX_TOKENIZING_PER_TENANT} of your prompts are being tokenized; retry shortly",
-            type="rate_limit_error",
-            code="tenant_queue_full",
-            headers={"Retry-After": "1"},
-        )
+        waiting = f"{MAX_TOKENIZING_PER_TENANT} of your prompts are being tokenized"
+        raise queue_full(waiting, whole_queue=False)
     encode = functools.partial(
         tok.encode_rendered if rendered else tok.encode, text, add_bos=tok.add_bos
     )

@@ -13,7 +13,7 @@ from ..scheduler import Failed, Finished, NotReady, QueueFull, Request, Restarte
 from ..text.parser import Reasoning, ToolCall
 from . import chat
 from .chat import ToolChoice
-from .errors import ApiError, bad_request, not_ready
+from .errors import ApiError, bad_request, not_ready, queue_full
 from .generation import build_request, check_model, encode_prompt, log_request, log_tag
 from .state import ServerState
 from .validate import Body
@@ -28,9 +28,7 @@ def submit(state: ServerState, request: Request):
     except NotReady:
         raise not_ready() from None
     except QueueFull as exc:
-        code = "queue_full" if exc.whole_queue else "tenant_queue_full"
-        headers = {"Retry-After": "1"}
-        raise ApiError(429, str(exc), type="rate_limit_error", code=code, headers=headers) from None
+        raise queue_full(str(exc), whole_queue=exc.whole_queue) from None
 
 
 def logged_failure(route: str, session: str, t0: float):
