@@ -3,9 +3,12 @@ limits, connections and shutdown, each against a real `mashbox run` and engine p
 
 from __future__ import annotations
 
+import fcntl
 import json
 import signal
 import socket
+import struct
+import termios
 import time
 from functools import partial
 
@@ -116,13 +119,57 @@ def test_a_reader_that_reads_nothing_is_dropped(slow_server):
     sock = rawhttp.connect(url, rcvbuf=4096)
     rawhttp.post_json(sock, CHAT, chat_body(max_tokens=1900, ignore_eos=True, stream=True))
     wait_for(lambda: health(url)["live_rows"] == 1, timeout=5)
-    # Socket buffers fill, then the scheduler's channel: within a few seconds of reading
-    # nothing the slot is freed (the scheduler's deadline; test_scheduler proves it alone)...
+    # A 4 KB receive buffer fills at once: the transport's clock cuts the connection two
+    # seconds later (test_scheduler proves the scheduler's own clock, for transports that
+    # cannot say, alone)...
     t0 = time.monotonic()
     wait_for(lambda: health(url)["live_rows"] == 0, timeout=20, interval=0.2)
     assert time.monotonic() - t0 < 10  # 1900 steps of 20 ms would take 38 s
-    # ...and the kernel gives up on the connection (TCP_USER_TIMEOUT), so the stream ends.
+    # ...and the stream ends.
     _, closed = rawhttp.read_to_eof(sock, timeout=20)
+    assert closed
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def stall_server(tiny_llama, tmp_path_factory):
+    """One slot, 3 ms engine steps (~300 tokens, ~50 KB of events a second), a long context
+    and the default 30 s stall timeout."""
+    with serving(
+        str(tiny_llama), "--ctx", "32768", "--slots", "1", "--threads", "1",
+        env={"MASHBOX_FAULTS": "slow=0.003"},
+        log=tmp_path_factory.mktemp("stall") / "server.log",
+    ) as proc:  # fmt: skip
+        yield proc
+
+
+def _queued(sock: socket.socket) -> int:
+    """Bytes the kernel holds for this socket, unread."""
+    return struct.unpack("i", fcntl.ioctl(sock, termios.FIONREAD, b"\0" * 4))[0]
+
+
+def test_a_reader_that_stops_is_cut_at_30_s_with_default_buffers(stall_server):
+    # Seed 000: "A client that reads nothing from the stream for 30 s is disconnected and its
+    # answer stops." Default socket buffers on both ends: the client takes nothing at all.
+    # Its kernel accepts bytes until its window closes (~100 KB here), the server's kernel
+    # would queue 4 MB more, and the answer would run for two minutes: the cut comes 30 s
+    # after the connection stopped taking bytes, not after all of that.
+    url = stall_server.url
+    sock = rawhttp.connect(url)
+    t0 = time.monotonic()
+    rawhttp.post_json(sock, CHAT, chat_body(max_tokens=32000, ignore_eos=True, stream=True))
+    queued, t_full = 0, t0
+    while health(url)["live_rows"] == 1:
+        if (now := _queued(sock)) != queued:
+            queued, t_full = now, time.monotonic()
+        assert time.monotonic() - t0 < 45, "the stalled reader was never cut"
+        time.sleep(0.1)
+    t_cut = time.monotonic()
+    assert t_full - t0 < 5, f"the client's kernel took bytes for {t_full - t0:.1f} s"
+    stalled = t_cut - t_full
+    assert 28 <= stalled <= 32, f"cut {stalled:.1f} s after the client's kernel was full"
+    assert any("took nothing for 30 s" in line for line in stall_server.lines)
+    _, closed = rawhttp.read_to_eof(sock, timeout=5)  # queued events, then the reset
     assert closed
     sock.close()
 

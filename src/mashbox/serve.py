@@ -19,7 +19,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from . import registry
 from .prompt_cache import DEFAULT_CACHE_RAM_MIB, PromptCache
 from .scheduler import Scheduler
-from .server import chat_ws, contain
+from .server import chat_ws, connections
 from .server.app import ShieldFinalSend, create_app
 from .server.security import Guard, KeyFileError, read_key_file, tenant_of_unnamed
 from .server.state import ServerState, model_identity, weights_sha
@@ -125,7 +125,7 @@ async def serve(
     config.websocket_max_message_size = chat_ws.MAX_MESSAGE_BYTES
     chat_ws.install_bounded_deflate()
     config.graceful_timeout = 3
-    contain.install()
+    connections.install(opts.stall_timeout)
     app = ShieldFinalSend(create_app(state, ui=opts.ui))
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
