@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import trio
 
@@ -42,9 +43,14 @@ class InProcessEngine:
 
     async def receive(self):
         self.steps += 1
-        await trio.sleep(self.step_delay)
-        self.ran.append(self.sent.pop(0))
-        return self.engine.step(self.ran[-1])
+        step = self.sent.pop(0)
+        # As the worker does: a join already in the pipe when its step starts runs inside it.
+        joined = bool(self.sent) and self.sent[0].joins == step.index
+        if joined:
+            step = step.with_join(self.sent.pop(0))
+        self.ran.append(step)
+        await trio.sleep(self.step_delay)  # the step runs
+        return attrs.evolve(self.engine.step(step), joined=joined)
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +198,35 @@ async def test_steps_planned_ahead_give_each_stream_what_it_gets_alone(parts, ti
         assert seq.pending == 0
     assert any(seq.stops.matched for seq, _ in submitted)
     assert all(s.seq is None for s in scheduler.slots)
+
+
+async def test_a_request_starts_in_the_step_after_the_running_one(parts, tiny_llama):
+    """With a decode step planned ahead and queued behind the running one, a request that
+    arrives joins that queued step (issue: it used to wait for it, then for a step planned
+    after it): its admission and first prompt chunk run in the very next step, beside the
+    other stream's decode, and its answer is what it gets alone."""
+    tok, engine = parts
+    worker = InProcessEngine(engine, step_delay=0.02)
+    scheduler = Scheduler(tok, worker, slots=2, ctx=512)
+    late = request(tok, "Once upon a time", max_tokens=8, ignore_eos=True)
+    expected = alone(Engine(tiny_llama, slots=1, ctx=512), late.prompt_ids, late.params, 8)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scheduler.run)
+        _, first = scheduler.submit(request(tok, max_tokens=300, ignore_eos=True))
+        for _ in range(5):
+            await first.receive()  # decoding, two steps in flight
+        await trio.sleep(0.005)  # inside a step
+        assert len(worker.sent) == 1, "no step queued behind the running one"
+        running = len(worker.ran) - 1
+        seq, events = scheduler.submit(late)
+        received = [e async for e in events]
+        nursery.cancel_scope.cancel()
+    assert isinstance(received[-1], Finished)
+    assert seq.output_ids == expected
+    next_step = worker.ran[running + 1]
+    assert [a.prompt_ids for a in next_step.admits] == [late.prompt_ids]
+    assert next_step.prefills and next_step.decodes  # beside the first stream's decode
+    assert received[0] == Admitted(0)
 
 
 async def test_requests_sharing_a_prefix_with_a_running_one_copy_it_and_answer_alike(tiny_llama):

@@ -139,6 +139,23 @@ class Step:
     shares: tuple[Share, ...] = ()  # after the saves, before the restores
     drops: tuple[int, ...] = ()  # prompt-cache entries to forget
     decides: tuple[Decide, ...] = ()  # run after the prefills that fill their prefixes
+    # New work for requests that arrived while step `joins` (decodes only, sent ahead) waited
+    # in the pipe: if that step has not started when this one is there, they run as one.
+    joins: int = 0
+
+    def with_join(self, join: Step) -> Step:
+        """This step (decodes only) and `join` (new work on other slots) run as one."""
+        return Step(
+            self.index,
+            admits=join.admits,
+            prefills=join.prefills,
+            decodes=self.decodes,
+            saves=join.saves,
+            restores=join.restores,
+            shares=join.shares,
+            drops=join.drops,
+            decides=join.decides,
+        )
 
 
 @message
@@ -153,6 +170,7 @@ class StepResult:
     decisions: dict[int, tuple[tuple[tuple[float, ...], ...], ...]] = attrs.Factory(dict)
     forwards: int = 0  # model forward passes the step ran (prefill chunks, decode, reads)
     compiles: int = 0  # programs the engine process has compiled so far, this step included
+    joined: bool = False  # the step sent after this one (its join) ran inside it
 
 
 @message

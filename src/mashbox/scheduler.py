@@ -37,6 +37,9 @@ log = logging.getLogger("mashbox")
 MAX_WAITING_PER_TENANT = 32
 MAX_WAITING = 256
 CHANNEL_SIZE = 64
+# Prompt tokens a join may carry (`Scheduler._join`): it is written to the engine's pipe while
+# a step runs, so it must fit the pipe's buffer (64 KiB) or the event loop would wait.
+MAX_JOIN_TOKENS = 4096
 
 
 class NotReady(Exception):
@@ -205,6 +208,11 @@ class Sent:
 
     step: Step
     owners: dict[int, Sequence]
+    ahead: bool = False  # decodes planned while the step before ran: others may join it
+
+    def with_join(self, join: Sent) -> Sent:
+        """This step and its join, as the engine ran them: one step (`Step.joins`)."""
+        return Sent(self.step.with_join(join.step), {**self.owners, **join.owners})
 
 
 @attrs.frozen
@@ -283,6 +291,7 @@ class Scheduler:
         self._steps = 0
         self._closing = False
         self._step_scope: trio.CancelScope | None = None
+        self._receiving = False  # the loop awaits a step's result
 
     # --- called by request handlers -------------------------------------------------------
 
@@ -321,6 +330,8 @@ class Scheduler:
         )
         self.waiting.append(seq)
         self._wakeup.set()
+        if self._receiving:
+            self._join()
         return seq, receive
 
     def cancel(self, seq: Sequence) -> None:
@@ -353,9 +364,13 @@ class Scheduler:
                     await self._idle()
                     continue
                 if len(self._sent) == 1 and not self._needs_latest_state():
-                    self._send(self._plan_ahead())
+                    self._send(self._plan_ahead(), ahead=True)
                 with trio.CancelScope() as self._step_scope:
-                    result = await self.worker.receive()
+                    self._receiving = True
+                    try:
+                        result = await self.worker.receive()
+                    finally:
+                        self._receiving = False
                 if self._step_scope.cancelled_caught:
                     break
             except WorkerError as exc:
@@ -363,18 +378,38 @@ class Scheduler:
                 self._on_fault(hung=isinstance(exc, StepTimeout))
                 await self.worker.restart()
                 continue
-            self._apply(self._sent.popleft(), result)
+            sent = self._sent.popleft()
+            if result.joined:
+                sent = sent.with_join(self._sent.popleft())
+            self._apply(sent, result)
         self._fail_everyone(Failed("the server is shutting down", status=503))
 
-    def _send(self, step: Step | None) -> bool:
+    def _send(self, step: Step | None, *, ahead: bool = False) -> bool:
         if step is None:
             return False
         owners = {s.index: s.seq for s in self.slots if s.seq is not None}
         for slot in [d.slot for d in step.decodes] + [p.slot for p in step.prefills if p.sample]:
             owners[slot].pending += 1
         self.worker.send(step)
-        self._sent.append(Sent(step, owners))
+        self._sent.append(Sent(step, owners, ahead))
         return True
+
+    def _join(self) -> None:
+        """Start waiting requests at the next step boundary although the next step (decodes,
+        planned ahead) is already in the engine's pipe: their new work goes in a join the
+        engine runs inside that step if it has not started yet, else right after it. Only
+        slots the queued step leaves alone are given, and only small prompts (MAX_JOIN_TOKENS):
+        the rest wait for a step planned on the engine's latest state, as before."""
+        if len(self._sent) != 2 or not self._sent[-1].ahead or self._closing:
+            return
+        queued = self._sent[-1]
+        busy = {d.slot for d in queued.step.decodes}
+        free = [s for s in self.slots if s.seq is None and s.index not in busy]
+        placed = self._admit(free, budget=MAX_JOIN_TOKENS) if free else []
+        step = self._plan(only=placed) if placed else None
+        if step is not None:
+            self._send(attrs.evolve(step, joins=queued.step.index))
+            self._deliver()  # their Admitted events
 
     def close(self) -> None:
         """Stop stepping; every request still running or waiting ends with a 503 error."""
@@ -518,14 +553,15 @@ class Scheduler:
             seq.slot.seq = None
             seq.slot = None
 
-    def _admit(self) -> None:
+    def _admit(self, free: list[Slot] | None = None, budget: float = math.inf) -> list[Sequence]:
         """Give free slots to waiting requests, fairly across tenants (`_pick`), each to a
         free slot sharing the longest prefix with its prompt (among equals the least recently
         used). The longest matches are placed first: in a burst, a request whose own prompt a
         slot still holds gets that slot, not a request that came before it and would share
-        less."""
-        free = [s for s in self.slots if s.seq is None]
-        batch = self._pick(len(free))
+        less. Return the requests placed (their prompts at most `budget` tokens in all)."""
+        if free is None:
+            free = [s for s in self.slots if s.seq is None]
+        batch = self._pick(len(free), budget)
 
         def match(seq: Sequence, slot: Slot) -> int:
             if seq.request.embed or slot.tenant != seq.request.tenant:
@@ -545,12 +581,14 @@ class Scheduler:
                 taken.add(slot.index)
         for i, seq in enumerate(batch):  # in arrival order: an earlier one can be a source
             self._place(seq, *chosen[i])
+        return batch
 
-    def _pick(self, n: int) -> list[Sequence]:
+    def _pick(self, n: int, budget: float = math.inf) -> list[Sequence]:
         """Up to n waiting requests, round-robin across tenants: each goes to the tenant
         holding the fewest slots (counting those just picked), the oldest request first among
         equals; a tenant at `tenant_slots` waits. So one tenant's requests, however many or
-        slow, never keep another's from the next free slot."""
+        slow, never keep another's from the next free slot. Their prompts: at most `budget`
+        tokens in all (the next pick past it stays waiting)."""
         holding = collections.Counter(s.seq.request.tenant for s in self.slots if s.seq)
         picked: list[Sequence] = []
         while len(picked) < n:
@@ -561,8 +599,9 @@ class Scheduler:
                     continue
                 if best is None or holding[tenant] < holding[best.request.tenant]:
                     best = seq
-            if best is None:
+            if best is None or len(best.request.prompt_ids) > budget:
                 break
+            budget -= len(best.request.prompt_ids)
             self.waiting.remove(best)
             holding[best.request.tenant] += 1
             picked.append(best)
@@ -635,12 +674,13 @@ class Scheduler:
         c = self.prompt_cache
         return c.nbytes, c.cap_bytes, c.evictions
 
-    def _plan(self) -> Step | None:
+    def _plan(self, only: list[Sequence] | None = None) -> Step | None:
+        """The next step on the engine's latest state; `only`: just these requests' work."""
         admits, prefills, decodes, decides = [], [], [], []
         budget = self.prefill_chunk
         for slot in self.slots:
             seq = slot.seq
-            if seq is None:
+            if seq is None or (only is not None and seq not in only):
                 continue
             if not seq.admitted:
                 admits.append(Admit(slot.index, seq.request.params, seq.request.prompt_ids))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import traceback
 
+import attrs
+
 from ..protocol import Shutdown, Step, WorkerFailed
 
 
@@ -28,9 +30,16 @@ def worker_main(
         conn.send(WorkerFailed(f"cannot load {path}: {exc}"))
         return
     conn.send(engine.info)
+    held = None  # a message read early, while looking for a join
     while True:
         try:
-            msg = conn.recv()
+            msg, held, joined = held or conn.recv(), None, False
+            if isinstance(msg, Step) and conn.poll():  # sent before this step started
+                follow = conn.recv()
+                if isinstance(follow, Step) and follow.joins == msg.index:
+                    msg, joined = msg.with_join(follow), True
+                else:
+                    held = follow
         except (EOFError, OSError):
             return  # the server went away
         if isinstance(msg, Shutdown):
@@ -38,7 +47,8 @@ def worker_main(
         assert isinstance(msg, Step), type(msg)
         try:
             faults.before_step(msg.index, (t for p in msg.prefills for t in p.token_ids))
-            conn.send(engine.step(msg))
+            result = engine.step(msg)
+            conn.send(attrs.evolve(result, joined=True) if joined else result)
         except Exception:
             conn.send(WorkerFailed(traceback.format_exc(limit=8)))
             os._exit(1)  # state may be half-written: the supervisor starts a fresh worker
