@@ -20,7 +20,7 @@ from . import registry
 from .prompt_cache import DEFAULT_CACHE_RAM_MIB, PromptCache
 from .scheduler import Scheduler
 from .server import chat_ws, connections
-from .server.app import ShieldFinalSend, create_app
+from .server.app import RefuseBadHost, ShieldFinalSend, create_app
 from .server.security import Guard, KeyFileError, read_key_file, tenant_of_unnamed
 from .server.state import ServerState, model_identity, weights_sha
 from .text.chat_template import ChatTemplate
@@ -126,7 +126,7 @@ async def serve(
     chat_ws.install_bounded_deflate()
     config.graceful_timeout = 3
     connections.install(opts.stall_timeout)
-    app = ShieldFinalSend(create_app(state, ui=opts.ui))
+    app = ShieldFinalSend(RefuseBadHost(create_app(state, ui=opts.ui)))
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     stop_accepting = trio.Event()

@@ -294,6 +294,39 @@ def _shaped(error: ApiError, path: str) -> ApiError:
     return error
 
 
+class RefuseBadHost:
+    """ASGI wrapper: a Host header that is no host name (".", "a..b") is a 400 in the route's
+    error shape. werkzeug would raise while binding the routes, before any handler, and the
+    client would get a 500 (found by fuzz/test_guarded.py)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket") and not _valid_host(scope):
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            error = _shaped(ApiError(400, "the Host header is not a valid host name"), scope["path"])
+            body = b"" if scope["method"] == "HEAD" else json.dumps(error.body()).encode()
+            headers = [(b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": 400, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
+
+
+def _valid_host(scope) -> bool:
+    """Whether the Host header, less its port, encodes as werkzeug encodes it (IDNA)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"host":
+            try:
+                value.decode("latin-1").lower().partition(":")[0].encode("idna")
+            except UnicodeError:
+                return False
+    return True
+
+
 class ShieldFinalSend:
     """ASGI wrapper: shield the last body message from cancellation.
 
