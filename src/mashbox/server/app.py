@@ -307,7 +307,8 @@ class RefuseBadHost:
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008})
                 return
-            error = _shaped(ApiError(400, "the Host header is not a valid host name"), scope["path"])
+            error = ApiError(400, "the Host header is not a valid host name")
+            error = _shaped(error, scope["path"])
             body = b"" if scope["method"] == "HEAD" else json.dumps(error.body()).encode()
             headers = [(b"content-type", b"application/json")]
             await send({"type": "http.response.start", "status": 400, "headers": headers})
