@@ -7,18 +7,18 @@ import pytest
 import trio
 
 from mashbox.engine.engine import Engine
-from mashbox.prompt_cache import common_prefix
-from mashbox.protocol import PREVIOUS, Admit, Decode, Prefill, SamplingParams, Step
-from mashbox.scheduler import (
+from mashbox.events import (
     MAX_WAITING,
     MAX_WAITING_PER_TENANT,
     Admitted,
     Finished,
     QueueFull,
     Request,
-    Scheduler,
     TextDelta,
 )
+from mashbox.prompt_cache import common_prefix
+from mashbox.protocol import PREVIOUS, Admit, Decode, Prefill, SamplingParams, Step
+from mashbox.scheduler import Scheduler
 from mashbox.text.tokenizer import Tokenizer
 
 from tinymodels import step_by_step

@@ -12,7 +12,7 @@ import json
 import attrs
 import trio
 
-from ..scheduler import Admitted, Failed, Finished, Restarted, TextDelta
+from ..events import Admitted, Failed, Finished, Restarted, TextDelta
 from ..text.chat_template import ChatTemplateError
 from ..text.parser import (
     Content,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import trio
 
+from ..events import Embedding, Failed, Finished, Request
 from ..protocol import SamplingParams
-from ..scheduler import Embedding, Failed, Finished, Request
 from .errors import ApiError, bad_request, not_ready, too_long
 from .generation import check_model, encode_prompt
 from .openai_api import failure, submit

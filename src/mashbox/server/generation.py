@@ -10,8 +10,8 @@ import time
 
 import trio
 
+from ..events import MAX_WAITING_PER_TENANT, Finished, Request, random_seed
 from ..protocol import SamplingParams
-from ..scheduler import MAX_WAITING_PER_TENANT, Finished, Request, random_seed
 from ..text.stops import MAX_STOP_CHARS, MAX_STOPS
 from .errors import ApiError, bad_request, queue_full, too_long
 from .state import ServerState

@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from ..scheduler import Finished, Observer
+from ..events import Finished
+from ..scheduler import Observer
 
 if TYPE_CHECKING:
     from .state import ServerState

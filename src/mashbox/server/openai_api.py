@@ -9,7 +9,7 @@ import time
 import attrs
 from quart import Response
 
-from ..scheduler import Failed, Finished, NotReady, QueueFull, Request, Restarted, TextDelta
+from ..events import Failed, Finished, NotReady, QueueFull, Request, Restarted, TextDelta
 from ..text.parser import Reasoning, ToolCall
 from . import chat
 from .chat import ToolChoice

@@ -6,7 +6,7 @@ import json
 import secrets
 import time
 
-from ..scheduler import Failed, Finished, Restarted
+from ..events import Failed, Finished, Restarted
 from ..text.parser import Reasoning, ToolCall
 from . import chat
 from .chat import ToolChoice

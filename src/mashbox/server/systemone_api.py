@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
+from ..events import Decision, Failed, Finished, Request, Restarted
 from ..protocol import SamplingParams
-from ..scheduler import Decision, Failed, Finished, Request, Restarted
 from . import decisions as d
 from .errors import ApiError, invalid, not_ready
 from .openai_api import failure, submit

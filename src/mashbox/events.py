@@ -1,0 +1,127 @@
+"""What a route asks the scheduler for and what it answers: a `Request` in, then events on
+the request's channel (`Admitted`, `TextDelta`s, then `Finished` or `Failed`; `Restarted`
+when a fault makes it start again; `Embedding` or `Decision` for those requests), and the
+queue's limits. No trio, no torch: the whole server speaks this vocabulary.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import attrs
+
+from .protocol import Branch, SamplingParams
+
+MAX_WAITING_PER_TENANT = 32  # seed 000: a tenant's requests waiting for a slot
+MAX_WAITING = 256  # seed 000: all requests waiting for a slot
+
+
+class NotReady(Exception):
+    """The model is not loaded (or the worker is restarting)."""
+
+
+class QueueFull(Exception):
+    """Too many requests are waiting: for this tenant, or in all."""
+
+    def __init__(self, message: str, *, whole_queue: bool):
+        super().__init__(message)
+        self.whole_queue = whole_queue
+
+
+@attrs.frozen
+class TextDelta:
+    """New text of the answer, and how many generated tokens it is the text of (a token
+    whose text is held back, half a character or a possible stop string, counts with the
+    text that releases it)."""
+
+    text: str
+    tokens: int = 1
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@attrs.frozen
+class Timings:
+    """llama-server's timings block (milliseconds)."""
+
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_second: float | None
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_second: float | None
+    cache_n: int
+    queue_ms: float
+
+
+@attrs.frozen
+class Finished:
+    """The answer ended: stop (end of turn or a stop string) or length."""
+
+    reason: str
+    usage: Usage
+    timings: Timings
+    stop_sequence: str | None = None  # the stop string that ended the text, if one did
+
+
+@attrs.frozen
+class Failed:
+    """The answer could not be produced: 500 (device fault), 504 (the engine hung) or 503
+    (shutting down)."""
+
+    message: str
+    status: int = 500
+
+
+@attrs.frozen
+class Embedding:
+    """An embedding request's vector (mean of the final hidden states, L2-normalized)."""
+
+    vector: tuple[float, ...]
+
+
+@attrs.frozen
+class Decision:
+    """A decision request's reads: per branch, per read, the candidates' log-probs."""
+
+    logprobs: tuple[tuple[tuple[float, ...], ...], ...]
+
+
+@attrs.frozen
+class Admitted:
+    """The request has a slot; `cached` of its prompt tokens come from a cache (its own
+    tenant's), the rest are prefilled. Sent again if the request runs again after a fault."""
+
+    cached: int
+
+
+@attrs.frozen
+class Restarted:
+    """The engine failed before anything reached the client: the answer starts again."""
+
+
+@attrs.frozen
+class Request:
+    """What a route asks for, already tokenized and validated."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    tenant: str = ""
+    ignore_eos: bool = False  # benchmarks: run to max_tokens whatever the model says
+    stream: bool = False  # a stream that has sent text is never run again after a fault
+    embed: bool = False  # an embedding: prefill every token, pool, generate nothing
+    # A typed decision: prefill the prompt, then read these branches after it in one
+    # forward; nothing is generated.
+    branches: tuple[Branch, ...] = ()
+
+
+def random_seed() -> int:
+    """A seed for requests that give none (still counter-based: reproducible if echoed)."""
+    return secrets.randbits(63)
