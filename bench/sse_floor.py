@@ -36,8 +36,8 @@ def floor_app(step_s: float):
     from quart import request
     from quart_trio import QuartTrio
 
-    from mashbox.server.app import ShieldFinalSend
-    from mashbox.server.openai_api import OneFieldEvent, event_stream, sse
+    from mashbox.server.app import ShieldFinalSend, event_stream
+    from mashbox.server.driver import OneFieldFrame, frame
 
     app = QuartTrio(__name__)
     listeners: set = set()
@@ -72,9 +72,9 @@ def floor_app(step_s: float):
         def chunk(delta, finish=None, **extra):
             choice = {"index": 0, "delta": delta, "finish_reason": finish}
             event = {**base, "object": "chat.completion.chunk", "system_fingerprint": "seed-0"}
-            return sse({**event, "choices": [choice], **extra})
+            return frame({**event, "choices": [choice], **extra})
 
-        content = OneFieldEvent(lambda text: chunk({"content": text}))
+        content = OneFieldFrame(lambda text: chunk({"content": text}))
 
         async def chunks():
             listeners.add(send)
@@ -87,8 +87,8 @@ def floor_app(step_s: float):
                 timings = {"predicted_per_second": rate}
                 usage = {"completion_tokens": body["max_tokens"]}
                 yield chunk({}, "length", timings=timings)
-                yield sse({**base, "choices": [], "usage": usage, "timings": timings})
-                yield sse("[DONE]")
+                yield frame({**base, "choices": [], "usage": usage, "timings": timings})
+                yield frame("[DONE]")
             finally:
                 listeners.discard(send)
 

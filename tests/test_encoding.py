@@ -1,6 +1,6 @@
 """The server's fast encodings say exactly what the plain ones say.
 
-SSE token events are rendered once per stream with the text left open (OneFieldEvent), and
+Stream token events are rendered once per stream with the text left open (OneFieldFrame), and
 the scheduler's steps pickle as (class, field values); both must round-trip to the same
 bytes or values as the slow, obvious way."""
 
@@ -12,22 +12,23 @@ import pickle
 import pytest
 
 from mashbox import protocol as p
-from mashbox.server.openai_api import OneFieldEvent, sse
+from mashbox.server.driver import OneFieldFrame, frame
 
 TEXTS = ["hi", "", ' "quoted" \\ back', "é ☃ 🙂", "\x00open\x00", "\n\t\x1f", "</s>"]
 
 
 @pytest.mark.parametrize("model", ["m", "\x00open\x00", 'a"b'])
-def test_one_field_event_renders_what_sse_renders(model):
+def test_one_field_frame_renders_what_json_renders(model):
     base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": model}
 
     def render(text):
-        return sse({**base, "choices": [{"index": 0, "delta": {"content": text}}]})
+        return frame({**base, "choices": [{"index": 0, "delta": {"content": text}}]}, "chunk")
 
-    event = OneFieldEvent(render)
+    event = OneFieldFrame(render)
     for text in TEXTS:
         assert event(text) == render(text)
-        data = json.loads(event(text).decode()[len("data: ") :])
+        assert event(text).sse() == render(text).sse()
+        data = json.loads(event(text).json)
         assert data["choices"][0]["delta"]["content"] == text
 
 

@@ -67,6 +67,8 @@ class Finished:
     usage: Usage
     timings: Timings
     stop_sequence: str | None = None  # the stop string that ended the text, if one did
+    # Generated tokens inside the reasoning, as the route's parser read them (chat.parsed).
+    reasoning_tokens: int = 0
 
 
 @attrs.frozen

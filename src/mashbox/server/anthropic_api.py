@@ -1,19 +1,19 @@
-"""Anthropic Messages and count_tokens, rendering the shared chat pipeline's events."""
+"""Anthropic Messages as a codec (the body parsed into a `Call`, the answer encoded as a
+message or its events; driver.py runs both), and count_tokens."""
 
 from __future__ import annotations
 
 import json
 import os
 import secrets
-import time
 
-from ..events import Failed, Finished, Restarted
+from ..events import Finished
 from ..text.parser import Reasoning, ToolCall
 from . import chat
-from .chat import Ping, ToolChoice
+from .chat import Answer, Ping, ToolChoice
+from .driver import Call, Frame, OneFieldFrame, frame
 from .errors import bad_request, not_ready
-from .generation import build_request, encode_prompt, log_request, log_tag
-from .openai_api import OneFieldEvent, event_stream, logged_failure, submit
+from .generation import build_request, encode_prompt
 from .state import ServerState
 from .validate import Body
 
@@ -253,27 +253,74 @@ def _merge_text(blocks: list[dict]) -> list[dict]:
     return out
 
 
-def _sse(name: str, data: dict) -> bytes:
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-
-async def messages(state: ServerState, data, headers, tenant: str = ""):
-    if not state.ready:
-        raise not_ready()
-    t0 = time.perf_counter()
-    body = Body(data)
+async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     prompt = prompt_of(state, body)
     ids = await encode_prompt(state, prompt.text, "messages", tenant=tenant, rendered=True)
     request = build_request(body, state, ids, tenant)
-    session = log_tag(body, headers, tenant)
-    seq, events = submit(state, request)
-    mid = "msg_" + secrets.token_hex(12)
-    model = body.str("model") or state.model_id
-    route = "/v1/messages"
+    return Call(request, prompt, MessagesEncoder(body.str("model") or state.model_id, len(ids)))
 
-    if not request.stream:
-        fail = logged_failure(route, session, t0)
-        answer = await chat.collect(state, seq, events, prompt, fail)
+
+def _event(data: dict) -> Frame:
+    return frame(data, data["type"])
+
+
+class MessagesEncoder:
+    """One answer as a message, or as its events: one content block per run of thinking or
+    text, one per tool call."""
+
+    ping_every = PING_EVERY
+    waits_for_admission = True
+
+    def __init__(self, model: str, prompt_tokens: int):
+        self.mid = "msg_" + secrets.token_hex(12)
+        self.model, self.prompt_tokens = model, prompt_tokens
+        self.index = -1
+        self.open_kind: str | None = None  # "text" or "thinking": the block now open
+        self.piece: OneFieldFrame | None = None  # the open block's delta, its text left open
+        self.called = False
+
+    def start(self, cached: int | None) -> list[Frame]:
+        # Seed 000: input_tokens is the part not served from cache. It is known once the
+        # request has a slot (at once, unless it queues: then, after a ping's wait, the whole
+        # prompt is counted here and the final usage corrects it).
+        usage = {"input_tokens": self.prompt_tokens - (cached or 0),
+                 "cache_creation_input_tokens": 0,
+                 "cache_read_input_tokens": cached or 0, "output_tokens": 0}  # fmt: skip
+        message = {
+            "id": self.mid, "type": "message", "role": "assistant", "model": self.model,
+            "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage,
+        }  # fmt: skip
+        return [_event({"type": "message_start", "message": message}), _event({"type": "ping"})]
+
+    def feed(self, item) -> list[Frame]:
+        if isinstance(item, Ping):
+            return [_event({"type": "ping"})]
+        if isinstance(item, Reasoning):
+            return self._piece("thinking", item.text)
+        if isinstance(item, ToolCall):
+            block = _tool_use(item)
+            arguments = json.dumps(block.pop("input"), ensure_ascii=False)
+            out = [*self._close(), self._start({**block, "input": {}})]
+            out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+            out.append(_event({"type": "content_block_stop", "index": self.index}))
+            self.called = True
+            return out
+        if self.called and not item.text.strip():  # Content or InvalidToolCall
+            return []  # whitespace between tool calls
+        return self._piece("text", item.text)
+
+    def finish(self, done: Finished) -> list[Frame]:
+        stop = {"stop_reason": _stop_reason(done, self.called),
+                "stop_sequence": done.stop_sequence}  # fmt: skip
+        delta = {"type": "message_delta", "delta": stop, "usage": _usage(done)}
+        return [*self._close(), _event(delta), _event({"type": "message_stop"})]
+
+    def fail(self, message: str, status: int) -> list[Frame]:
+        kind = "overloaded_error" if status == 503 else "api_error"
+        error = {"type": kind, "message": message}
+        return [_event({"type": "error", "error": error, "request_id": self.mid})]
+
+    def whole(self, answer: Answer) -> dict:
         done, blocks = answer.done, []
         for event in answer.events:
             if isinstance(event, Reasoning):
@@ -286,127 +333,43 @@ async def messages(state: ServerState, data, headers, tenant: str = ""):
         called = any(b["type"] == "tool_use" for b in blocks)
         if called:  # whitespace around calls is not an answer
             blocks = [b for b in blocks if b["type"] != "text" or b["text"].strip()]
-        log_request(route, 200, done, session, t0)
         return {
-            "id": mid,
+            "id": self.mid,
             "type": "message",
             "role": "assistant",
-            "model": model,
+            "model": self.model,
             "content": blocks,
             "stop_reason": _stop_reason(done, called),
             "stop_sequence": done.stop_sequence,
             "usage": _usage(done),
         }
 
-    async def stream():
-        index = -1
-        open_kind = None  # "text" or "thinking": the block now open
-        piece = None  # the open block's delta event, its text left open (OneFieldEvent)
-        called = False
+    def _piece(self, kind: str, text: str) -> list[Frame]:
+        """Text for a thinking or text block, opening one if another kind is open."""
+        out = []
+        if self.open_kind != kind:
+            out = self._close()
+            if kind == "thinking":
+                out.append(self._start({"type": "thinking", "thinking": "", "signature": ""}))
+            else:
+                out.append(self._start({"type": "text", "text": ""}))
+            self.open_kind = kind
+            field = "thinking" if kind == "thinking" else "text"
+            self.piece = OneFieldFrame(lambda t: self._delta({"type": f"{field}_delta", field: t}))
+        return [*out, self.piece(text)]
 
-        def close():
-            nonlocal open_kind
-            out = []
-            if open_kind == "thinking":
-                delta = {"type": "signature_delta", "signature": SIGNATURE}
-                out.append(
-                    _sse(
-                        "content_block_delta",
-                        {"type": "content_block_delta", "index": index, "delta": delta},
-                    )
-                )
-            if open_kind is not None:
-                out.append(
-                    _sse("content_block_stop", {"type": "content_block_stop", "index": index})
-                )
-            open_kind = None
-            return out
+    def _close(self) -> list[Frame]:
+        out = []
+        if self.open_kind == "thinking":
+            out.append(self._delta({"type": "signature_delta", "signature": SIGNATURE}))
+        if self.open_kind is not None:
+            out.append(_event({"type": "content_block_stop", "index": self.index}))
+        self.open_kind = None
+        return out
 
-        def start(block: dict):
-            nonlocal index
-            index += 1
-            return _sse(
-                "content_block_start",
-                {"type": "content_block_start", "index": index, "content_block": block},
-            )
+    def _start(self, block: dict) -> Frame:
+        self.index += 1
+        return _event({"type": "content_block_start", "index": self.index, "content_block": block})
 
-        def delta(d: dict):
-            return _sse(
-                "content_block_delta", {"type": "content_block_delta", "index": index, "delta": d}
-            )
-
-        try:
-            async with events:
-                # Seed 000: input_tokens is the part not served from cache. It is known once
-                # the request has a slot (at once, unless it queues: then, after a ping's
-                # wait, the whole prompt is counted here and the final usage corrects it).
-                cached, source = await chat.admission(events, PING_EVERY)
-                usage = {"input_tokens": len(ids) - (cached or 0),
-                         "cache_creation_input_tokens": 0,
-                         "cache_read_input_tokens": cached or 0, "output_tokens": 0}  # fmt: skip
-                message = {
-                    "id": mid, "type": "message", "role": "assistant", "model": model,
-                    "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage,
-                }  # fmt: skip
-                yield _sse("message_start", {"type": "message_start", "message": message})
-                yield _sse("ping", {"type": "ping"})
-                async for event in chat.parsed(source, prompt, seq, ping_every=PING_EVERY):
-                    if isinstance(event, Ping):
-                        yield _sse("ping", {"type": "ping"})
-                    elif isinstance(event, Reasoning):
-                        if open_kind != "thinking":
-                            for chunk in close():
-                                yield chunk
-                            yield start({"type": "thinking", "thinking": "", "signature": ""})
-                            open_kind = "thinking"
-                            piece = OneFieldEvent(
-                                lambda t: delta({"type": "thinking_delta", "thinking": t})
-                            )
-                        yield piece(event.text)
-                    elif isinstance(event, ToolCall):
-                        for chunk in close():
-                            yield chunk
-                        block = _tool_use(event)
-                        arguments = json.dumps(block.pop("input"), ensure_ascii=False)
-                        yield start({**block, "input": {}})
-                        yield delta({"type": "input_json_delta", "partial_json": arguments})
-                        yield _sse(
-                            "content_block_stop", {"type": "content_block_stop", "index": index}
-                        )
-                        called = True
-                    elif isinstance(event, Finished):
-                        for chunk in close():
-                            yield chunk
-                        stop = {"stop_reason": _stop_reason(event, called),
-                                "stop_sequence": event.stop_sequence}  # fmt: skip
-                        yield _sse(
-                            "message_delta",
-                            {"type": "message_delta", "delta": stop, "usage": _usage(event)},
-                        )
-                        yield _sse("message_stop", {"type": "message_stop"})
-                        log_request(route, 200, event, session, t0)
-                        return
-                    elif isinstance(event, Failed):
-                        kind = "overloaded_error" if event.status == 503 else "api_error"
-                        error = {"type": kind, "message": event.message}
-                        yield _sse("error", {"type": "error", "error": error, "request_id": mid})
-                        log_request(route, event.status, None, session, t0)
-                        return
-                    elif not isinstance(event, Restarted):  # Content or InvalidToolCall
-                        if called and not event.text.strip():
-                            continue  # whitespace between tool calls
-                        if open_kind != "text":
-                            for chunk in close():
-                                yield chunk
-                            yield start({"type": "text", "text": ""})
-                            open_kind = "text"
-                            piece = OneFieldEvent(
-                                lambda t: delta({"type": "text_delta", "text": t})
-                            )
-                        yield piece(event.text)
-            error = {"type": "api_error", "message": "the request was dropped before it finished"}
-            yield _sse("error", {"type": "error", "error": error, "request_id": mid})
-        finally:
-            state.scheduler.cancel(seq)
-
-    return event_stream(stream())
+    def _delta(self, delta: dict) -> Frame:
+        return _event({"type": "content_block_delta", "index": self.index, "delta": delta})

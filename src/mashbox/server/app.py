@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import trio
@@ -13,8 +14,10 @@ from .. import __version__
 from . import (
     anthropic_api,
     chat_ws,
+    driver,
     embeddings_api,
-    openai_api,
+    openai_chat,
+    openai_completions,
     openapi,
     responses_api,
     systemone_api,
@@ -198,22 +201,18 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
             raise ApiError(404, f"model '{model}' is not served here", code="model_not_found")
         return _json(model_card(state))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions():
-        result = await openai_api.chat_completions(
-            state, await _json_body(), request.headers, g.tenant
-        )
-        return result if isinstance(result, Response) else _json(result)
+    def generation(route: str, parse: driver.Parse):
+        """A generation route's view: the driver runs the protocol's codec."""
 
-    @app.post("/v1/completions")
-    async def completions():
-        result = await openai_api.completions(state, await _json_body(), request.headers, g.tenant)
-        return result if isinstance(result, Response) else _json(result)
+        async def view() -> Response:
+            body = await _json_body()
+            result = await driver.answer(state, route, parse, body, request.headers, g.tenant)
+            return _json(result) if isinstance(result, dict) else event_stream(result)
 
-    @app.post("/v1/responses")
-    async def responses():
-        result = await responses_api.responses(state, await _json_body(), request.headers, g.tenant)
-        return result if isinstance(result, Response) else _json(result)
+        return view
+
+    for route, parse in GENERATION_ROUTES.items():
+        app.add_url_rule(route, route, generation(route, parse), methods=["POST"])
 
     @app.post("/v1/embeddings")
     async def embeddings():
@@ -263,16 +262,35 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
             body["active_model"] = state.model_id
         return _json(body)
 
-    @app.post("/v1/messages")
-    async def messages():
-        result = await anthropic_api.messages(state, await _json_body(), request.headers, g.tenant)
-        return result if isinstance(result, Response) else _json(result)
-
     @app.post("/v1/messages/count_tokens")
     async def count_tokens():
         return _json(await anthropic_api.count_tokens(state, await _json_body(), g.tenant))
 
     return app
+
+
+# The generation routes and their protocols' codecs (driver.py).
+GENERATION_ROUTES: dict[str, driver.Parse] = {
+    "/v1/chat/completions": openai_chat.parse,
+    "/v1/completions": openai_completions.parse,
+    "/v1/responses": responses_api.parse,
+    "/v1/messages": anthropic_api.parse,
+}
+
+
+def event_stream(frames) -> Response:
+    """A stream of protocol events as server-sent events."""
+
+    async def body():
+        async with contextlib.aclosing(frames):  # its end releases the request at once
+            async for f in frames:
+                yield f.sse()
+
+    response = Response(body(), mimetype="text/event-stream")
+    response.headers["Cache-Control"] = "no-cache"
+    response.headers["X-Accel-Buffering"] = "no"
+    response.timeout = None  # long streams must not be cut
+    return response
 
 
 def _is_anthropic(path: str) -> bool:

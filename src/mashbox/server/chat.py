@@ -260,7 +260,7 @@ async def parsed(events, prompt: ChatPrompt, seq, *, ping_every: float | None = 
         elif isinstance(event, Finished):
             for item in _handed(seq, bare.finish(parser.finish())):
                 yield item
-            yield event
+            yield attrs.evolve(event, reasoning_tokens=seq.reasoning_tokens)
         elif isinstance(event, Restarted):  # what was read before the fault is void
             parser = prompt.parser()
             bare = _BareCalls(prompt.tool_names)
@@ -358,7 +358,7 @@ async def collect(state: ServerState, seq, events, prompt: ChatPrompt | None, fa
     Without a prompt (text completions) the text is not parsed: it is all content.
     """
     items: list = []
-    source = chat_events(events) if prompt is None else parsed(events, prompt, seq)
+    source = chat_events(events, seq) if prompt is None else parsed(events, prompt, seq)
     try:
         async with events:
             async for event in source:
@@ -375,10 +375,12 @@ async def collect(state: ServerState, seq, events, prompt: ChatPrompt | None, fa
     raise ApiError(500, "the request was dropped before it finished", type="server_error")
 
 
-async def chat_events(events):
-    """Scheduler events with text as Content, unparsed (plain completions)."""
+async def chat_events(events, seq):
+    """Scheduler events with text as Content, unparsed (plain completions); each text marks
+    `seq` delivered as it is handed to the route to write."""
     async for event in events:
         if isinstance(event, TextDelta):
+            seq.delivered = True
             yield Content(event.text)
         elif isinstance(event, Finished | Failed | Restarted):
             yield event

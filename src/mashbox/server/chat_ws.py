@@ -11,23 +11,25 @@ only) and refuses a foreign Origin.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import zlib
 
 import trio
 from hypercorn.protocol import ws_stream
-from quart import Response, websocket
+from quart import websocket
 from wsproto.extensions import PerMessageDeflate
 from wsproto.frame_protocol import CloseReason
 
-from . import openai_api
+from . import driver, openai_chat
 from .body import parse_json
 from .errors import ApiError
 from .state import ServerState
 
 log = logging.getLogger("mashbox")
 
+ROUTE = "/v1/chat/completions/ws"  # what its requests' log lines name
 MAX_IN_FLIGHT = 8  # requests one socket may have running at once
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # one frame's message, inflated (an HTTP body's cap)
 
@@ -101,15 +103,14 @@ async def serve(state: ServerState) -> None:
 
     async def answer(frame: str) -> None:
         try:
-            result = await openai_api.chat_completions(state, parse_json(frame), headers, tenant)
-            if not isinstance(result, Response):
+            data = parse_json(frame)
+            result = await driver.answer(state, ROUTE, openai_chat.parse, data, headers, tenant)
+            if isinstance(result, dict):
                 await send(result)
                 return
-            async with result.response as body:  # the SSE stream: one frame per data line
-                async for chunk in body:
-                    for line in chunk.decode().split("\n"):
-                        if line.startswith("data: "):
-                            await send(line[6:])
+            async with contextlib.aclosing(result):  # the chat events: one WebSocket frame each
+                async for event in result:
+                    await send(event.json.decode())
         except ApiError as exc:
             await send(error_frame(exc))
         except Exception:  # this frame's fault alone: its siblings go on

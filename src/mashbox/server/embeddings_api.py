@@ -13,9 +13,9 @@ import trio
 
 from ..events import Embedding, Failed, Finished, Request
 from ..protocol import SamplingParams
+from .driver import failure, submit
 from .errors import ApiError, bad_request, not_ready, too_long
 from .generation import check_model, encode_prompt
-from .openai_api import failure, submit
 from .state import ServerState
 from .validate import Body
 

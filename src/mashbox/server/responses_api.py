@@ -1,254 +1,33 @@
-"""OpenAI Responses (stateless: Codex resends the whole conversation every turn)."""
+"""OpenAI Responses as a codec (stateless: Codex resends the whole conversation every turn):
+the body parsed into a `Call`, the answer encoded as a response or its numbered events."""
 
 from __future__ import annotations
 
-import json
-import secrets
 import time
 
-from ..events import Failed, Finished, Restarted
+from ..events import Finished
 from ..text.parser import Reasoning, ToolCall
 from . import chat
-from .chat import ToolChoice
-from .errors import bad_request, not_ready
-from .generation import build_request, encode_prompt, log_request, log_tag
-from .openai_api import event_stream, logged_failure, message_text, submit
+from .chat import Answer, ToolChoice
+from .driver import Call, Frame, frame
+from .generation import build_request, encode_prompt
+from .responses_input import (
+    Toolbox,
+    input_messages,
+    max_tokens_field,
+    new_id,
+    refuse_unsupported,
+    thinking_of,
+    tool_choice_of,
+)
 from .state import ServerState
 from .validate import Body
 
-HOSTED_TOOLS = {
-    "web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation",
-    "computer_use_preview", "computer_use", "mcp", "local_shell", "tool_search",
-}  # fmt: skip
-_NS_SEP = "."  # a namespace tool's functions are offered to the model as "namespace.name"
 
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
-
-
-class Toolbox:
-    """The tools a request offers, flattened to function tools for the model, and the way
-    back from a model's call to the item type the client expects."""
-
-    def __init__(self, tools: list | None):
-        self.functions: list[dict] = []
-        self.kinds: dict[str, tuple[str, str | None, str]] = {}  # model name -> (kind, ns, name)
-        for i, tool in enumerate(tools or []):
-            if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
-                raise bad_request(f"tools[{i}] must be an object with a type", "tools")
-            kind = tool["type"]
-            if kind in HOSTED_TOOLS or kind.startswith(("web_search", "computer_use")):
-                continue  # hosted tools run at OpenAI; the model here never sees them
-            if kind == "function":
-                self._function(tool, i, None)
-            elif kind == "custom":
-                self._custom(tool, i)
-            elif kind == "namespace":
-                ns = tool.get("name")
-                if not isinstance(ns, str) or not isinstance(tool.get("tools"), list):
-                    raise bad_request(f"tools[{i}] (namespace) needs a name and tools", "tools")
-                for inner in tool["tools"]:
-                    self._function(inner, i, ns)
-            else:
-                raise bad_request(f"tools[{i}] has an unknown type {kind!r}", "tools")
-
-    def _function(self, tool: dict, i: int, ns: str | None) -> None:
-        name = tool.get("name") if isinstance(tool, dict) else None
-        if not isinstance(name, str):
-            raise bad_request(f"tools[{i}].name is required", "tools")
-        shown = f"{ns}{_NS_SEP}{name}" if ns else name
-        function = {"name": shown, "parameters": tool.get("parameters") or {"type": "object"}}
-        if isinstance(tool.get("description"), str):
-            function["description"] = tool["description"]
-        self.functions.append({"type": "function", "function": function})
-        self.kinds[shown] = ("function", ns, name)
-
-    def _custom(self, tool: dict, i: int) -> None:
-        name = tool.get("name")
-        if not isinstance(name, str):
-            raise bad_request(f"tools[{i}].name is required", "tools")
-        description = tool.get("description") or ""
-        fmt = tool.get("format") or {}
-        if fmt.get("type") == "grammar":
-            description += (
-                f"\nThe input must follow this {fmt.get('syntax', '')} grammar:\n"
-                f"{fmt.get('definition', '')}"
-            )
-        parameters = {
-            "type": "object",
-            "properties": {"input": {"type": "string", "description": "The raw input."}},
-            "required": ["input"],
-        }
-        function = {"name": name, "description": description.strip(), "parameters": parameters}
-        self.functions.append({"type": "function", "function": function})
-        self.kinds[name] = ("custom", None, name)
-
-    def item(self, call: ToolCall) -> dict:
-        """The output item for a model's call (a bare name that one namespace alone offers
-        is that namespace's function: small models drop the prefix)."""
-        bare = [k for k in self.kinds.values() if k[1] and k[2] == call.name]
-        default = bare[0] if len(bare) == 1 else ("function", None, call.name)
-        kind, ns, name = self.kinds.get(call.name, default)
-        if kind == "custom":
-            arguments = json.loads(call.arguments)
-            raw = arguments.get("input") if isinstance(arguments.get("input"), str) else None
-            return {
-                "type": "custom_tool_call",
-                "id": _id("ctc"),
-                "call_id": _id("call"),
-                "name": name,
-                "input": raw if raw is not None else call.arguments,
-                "status": "completed",
-            }
-        item = {
-            "type": "function_call",
-            "id": _id("fc"),
-            "call_id": _id("call"),
-            "name": name,
-            "arguments": call.arguments,
-            "status": "completed",
-        }
-        if ns:
-            item["namespace"] = ns
-        return item
-
-
-def _output_text(output, where: str) -> str:
-    if isinstance(output, str):
-        return output
-    if output is None:
-        return ""
-    return message_text(output, where)
-
-
-def input_messages(body: Body) -> list[dict]:
-    """HF-style messages from `instructions` and `input` (a string or items)."""
-    system = [body.str("instructions")] if body.has("instructions") else []
-    items = body.raw("input")
-    if isinstance(items, str):
-        items = [{"type": "message", "role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise bad_request("input must be a string or a non-empty array of items", "input")
-    out: list[dict] = []
-    reasoning: list[str] = []
-
-    def assistant() -> dict:
-        """The assistant message that calls and reasoning attach to (a new one if needed)."""
-        if not out or out[-1]["role"] != "assistant":
-            out.append({"role": "assistant", "content": ""})
-        if reasoning:
-            out[-1]["reasoning_content"] = "\n".join(reasoning)
-            reasoning.clear()
-        return out[-1]
-
-    def call(name: str, arguments, call_id) -> None:
-        message = assistant()
-        message.setdefault("tool_calls", []).append(
-            {"id": str(call_id or ""), "type": "function",
-             "function": {"name": name, "arguments": arguments}}
-        )  # fmt: skip
-
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise bad_request(f"{where} must be an object", "input")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("system", "developer", "user", "assistant"):
-                raise bad_request(
-                    f"{where}.role must be system, developer, user or assistant", "input"
-                )
-            text = message_text(item.get("content"), where)
-            if role in ("system", "developer"):
-                system.append(text)
-            elif role == "assistant":
-                message = assistant()
-                if message.get("tool_calls"):  # text after calls starts a new turn
-                    out.append({"role": "assistant", "content": text})
-                else:
-                    message["content"] += text
-            else:
-                out.append({"role": "user", "content": text})
-        elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning.append("".join(p.get("text", "") for p in parts if isinstance(p, dict)))
-        elif kind == "function_call":
-            name = item.get("name")
-            if not isinstance(name, str):
-                raise bad_request(f"{where}.name is required", "input")
-            if isinstance(item.get("namespace"), str):
-                name = f"{item['namespace']}{_NS_SEP}{name}"
-            call(name, item.get("arguments") or "{}", item.get("call_id"))
-        elif kind == "custom_tool_call":
-            call(
-                str(item.get("name", "")),
-                {"input": str(item.get("input", ""))},
-                item.get("call_id"),
-            )
-        elif kind == "local_shell_call":
-            call("local_shell", item.get("action") or {}, item.get("call_id") or item.get("id"))
-        elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
-            out.append(
-                {"role": "tool", "tool_call_id": str(item.get("call_id") or item.get("id") or ""),
-                 "content": _output_text(item.get("output"), f"{where}.output")}
-            )  # fmt: skip
-        elif kind in ("input_image", "input_file", "input_audio", "image", "file"):
-            raise bad_request(f"{where} is a {kind} item: this model reads text only", "input")
-        else:
-            raise bad_request(f"{where} has an unknown type {kind!r}", "input")
-    head = [{"role": "system", "content": "\n\n".join(system)}] if system else []
-    return head + out
-
-
-def tool_choice_of(body: Body) -> ToolChoice:
-    value = body.raw("tool_choice", "auto")
-    if value in ("auto", "none", "required"):
-        return ToolChoice(value)
-    if isinstance(value, dict) and value.get("type") in ("function", "custom"):
-        name = value.get("name") or (value.get("function") or {}).get("name")
-        if isinstance(name, str):
-            return ToolChoice("function", name)
-    if isinstance(value, dict) and value.get("type") in ("auto", "none", "required"):
-        return ToolChoice(value["type"])
-    raise bad_request("tool_choice must be auto, none, required or a named function", "tool_choice")
-
-
-def thinking_of(body: Body) -> bool:
-    reasoning = body.object("reasoning")
-    effort = reasoning.raw("effort") if reasoning else None
-    return effort is not None and effort not in ("none", "minimal")
-
-
-def _refuse_unsupported(body: Body) -> None:
-    include = body.list("include") or []
-    if any(isinstance(x, str) and "logprobs" in x for x in include):
-        raise bad_request("include: log probabilities are not supported", "include")
-    body.refuse("top_logprobs", "log probabilities are not returned")
-    text = body.object("text")
-    fmt = text.object("format") if text else None
-    if fmt is not None and fmt.raw("type", "text") != "text":
-        raise bad_request("text.format: only {'type': 'text'} is supported", "text")
-
-
-def _max_tokens_field(body: Body) -> Body:
-    """max_output_tokens is the Responses name; max_completion_tokens and max_tokens too."""
-    data = dict(body.data)
-    value = body.int("max_output_tokens", lo=1)
-    if value is not None and not body.has("max_completion_tokens"):
-        data["max_completion_tokens"] = value
-    return Body(data)
-
-
-async def responses(state: ServerState, data, headers, tenant: str = ""):
-    if not state.ready:
-        raise not_ready()
-    t0 = time.perf_counter()
-    body = Body(data)
+async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     # Seed 000: "Accepted for compatibility; the server answers with the one model it runs."
     # Codex sends whatever its config names.
-    _refuse_unsupported(body)
+    refuse_unsupported(body)
     toolbox = Toolbox(body.list("tools"))
     choice = tool_choice_of(body)
     if choice.name is not None and choice.name not in toolbox.kinds:
@@ -263,13 +42,9 @@ async def responses(state: ServerState, data, headers, tenant: str = ""):
         thinking=thinking_of(body),
     )
     ids = await encode_prompt(state, prompt.text, "input", tenant=tenant, rendered=True)
-    request = build_request(_max_tokens_field(body), state, ids, tenant)
-    session = log_tag(body, headers, tenant)
-    seq, events = submit(state, request)
-    rid = _id("resp")
-    route = "/v1/responses"
+    request = build_request(max_tokens_field(body), state, ids, tenant)
     shell = {
-        "id": rid,
+        "id": new_id("resp"),
         "object": "response",
         "created_at": int(time.time()),
         "status": "in_progress",
@@ -280,19 +55,91 @@ async def responses(state: ServerState, data, headers, tenant: str = ""):
         "tools": body.list("tools") or [],
         "usage": None,
     }
+    return Call(request, prompt, ResponsesEncoder(shell, toolbox))
 
-    def finished(done: Finished, output: list[dict]) -> dict:
+
+class ResponsesEncoder:
+    """One answer as a response, or as its numbered events: an output item per run of
+    reasoning or message text, one per tool call."""
+
+    ping_every = None
+    waits_for_admission = False
+
+    def __init__(self, shell: dict, toolbox: Toolbox):
+        self.shell, self.toolbox = shell, toolbox
+        self.number = 0
+        self.output: list[dict] = []
+        self.open_item: dict | None = None  # the message or reasoning item being streamed
+
+    def start(self, cached: int | None) -> list[Frame]:
+        shell = self.shell
+        return [self._sse("response.created", response=shell),
+                self._sse("response.in_progress", response=shell)]  # fmt: skip
+
+    def feed(self, item) -> list[Frame]:
+        if isinstance(item, ToolCall):
+            return [*self._close(), *self._call(self.toolbox.item(item))]
+        kind = "reasoning" if isinstance(item, Reasoning) else "message"
+        open_item = self.open_item
+        if kind == "message" and not item.text.strip():
+            if open_item is None or open_item["type"] != "message":
+                return []  # whitespace between items is not a message
+        out = []
+        if open_item is None or open_item["type"] != kind:
+            out = [*self._close(), *self._open(kind)]
+        self.open_item["content"][0]["text"] += item.text
+        delta = "response.reasoning_text.delta" if kind == "reasoning" else (
+            "response.output_text.delta")  # fmt: skip
+        out.append(self._sse(delta, item_id=self.open_item["id"], output_index=len(self.output),
+                             content_index=0, delta=item.text))  # fmt: skip
+        return out
+
+    def finish(self, done: Finished) -> list[Frame]:
+        out = self._close()
+        kind = "response.incomplete" if done.reason == "length" else "response.completed"
+        return [*out, self._sse(kind, response=self._response(done, self.output))]
+
+    def fail(self, message: str, status: int) -> list[Frame]:
+        """Seed 000: an error after the stream started is `error`, then `response.failed`
+        (the response with status failed and its error)."""
+        out = self._close()
+        error = {"code": "server_error", "message": message}
+        failed = {**self.shell, "status": "failed", "output": self.output, "error": error}
+        return [
+            *out,
+            self._sse(
+                "error",
+                code="server_error",
+                message=message,
+                param=None,
+                request_id=self.shell["id"],
+            ),  # fmt: skip
+            self._sse("response.failed", response=failed),
+        ]
+
+    def whole(self, answer: Answer) -> dict:
+        calls = [self.toolbox.item(c) for c in answer.calls]
+        reasoning, text = answer.text(Reasoning), answer.text()
+        output = []
+        if reasoning:
+            output.append(_reasoning_item(new_id("rs"), reasoning))
+        if text.strip() or not calls:
+            output.append(_message_item(new_id("msg"), text))
+        output.extend(calls)
+        return self._response(answer.done, output)
+
+    def _response(self, done: Finished, output: list[dict]) -> dict:
         u = done.usage
-        reasoning_tokens = seq.reasoning_tokens  # generated tokens, as the parser read them
         response = {
-            **shell,
+            **self.shell,
             "status": "incomplete" if done.reason == "length" else "completed",
             "output": output,
             "usage": {
                 "input_tokens": u.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": u.cached_tokens},
                 "output_tokens": u.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+                # generated tokens, as the parser read them
+                "output_tokens_details": {"reasoning_tokens": done.reasoning_tokens},
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
             },
         }
@@ -300,149 +147,66 @@ async def responses(state: ServerState, data, headers, tenant: str = ""):
             response["incomplete_details"] = {"reason": "max_output_tokens"}
         return response
 
-    if not request.stream:
-        fail = logged_failure(route, session, t0)
-        answer = await chat.collect(state, seq, events, prompt, fail)
-        done, calls = answer.done, [toolbox.item(c) for c in answer.calls]
-        reasoning, text = answer.text(Reasoning), answer.text()
-        output = []
-        if reasoning:
-            output.append(_reasoning_item(_id("rs"), reasoning))
-        if text.strip() or not calls:
-            output.append(_message_item(_id("msg"), text))
-        output.extend(calls)
-        log_request(route, 200, done, session, t0)
-        return finished(done, output)
+    def _sse(self, kind: str, **fields) -> Frame:
+        self.number += 1
+        return frame({"type": kind, "sequence_number": self.number, **fields}, kind)
 
-    async def stream():
-        number = 0
+    def _call(self, item: dict) -> list[Frame]:
+        index = len(self.output)
+        custom = item["type"] == "custom_tool_call"
+        field = "input" if custom else "arguments"
+        prefix = "response.custom_tool_call_input" if custom else (
+            "response.function_call_arguments")  # fmt: skip
+        out = [
+            self._sse("response.output_item.added", output_index=index,
+                      item={**item, field: "", "status": "in_progress"}),
+            self._sse(f"{prefix}.delta", item_id=item["id"], output_index=index,
+                      delta=item[field]),
+            self._sse(f"{prefix}.done", item_id=item["id"], output_index=index,
+                      **{field: item[field]}),
+        ]  # fmt: skip
+        self.output.append(item)
+        return [*out, self._sse("response.output_item.done", output_index=index, item=item)]
 
-        def sse(kind: str, **fields) -> bytes:
-            nonlocal number
-            number += 1
-            data = {"type": kind, "sequence_number": number, **fields}
-            return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    def _close(self) -> list[Frame]:
+        if self.open_item is None:
+            return []
+        item, self.open_item = self.open_item, None
+        index = len(self.output)
+        text = item["content"][0]["text"]
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": []}
+            done = self._sse("response.output_text.done", item_id=item["id"],
+                             output_index=index, content_index=0, text=text)  # fmt: skip
+        else:
+            part = {"type": "reasoning_text", "text": text}
+            done = self._sse("response.reasoning_text.done", item_id=item["id"],
+                             output_index=index, content_index=0, text=text)  # fmt: skip
+        item = {**item, "status": "completed", "content": [part]}
+        if item["type"] == "reasoning":
+            item.pop("status")
+        self.output.append(item)
+        return [
+            done,
+            self._sse("response.content_part.done", item_id=item["id"], output_index=index,
+                      content_index=0, part=part),
+            self._sse("response.output_item.done", output_index=index, item=item),
+        ]  # fmt: skip
 
-        output: list[dict] = []
-        open_item: dict | None = None  # the message or reasoning item being streamed
-
-        def close() -> list[bytes]:
-            nonlocal open_item
-            if open_item is None:
-                return []
-            item, open_item = open_item, None
-            index = len(output)
-            if item["type"] == "message":
-                text = item["content"][0]["text"]
-                part = {"type": "output_text", "text": text, "annotations": []}
-                done = [sse("response.output_text.done", item_id=item["id"], output_index=index,
-                            content_index=0, text=text)]  # fmt: skip
-            else:
-                text = item["content"][0]["text"]
-                part = {"type": "reasoning_text", "text": text}
-                done = [sse("response.reasoning_text.done", item_id=item["id"],
-                            output_index=index, content_index=0, text=text)]  # fmt: skip
-            item = {**item, "status": "completed", "content": [part]}
-            if item["type"] == "reasoning":
-                item.pop("status")
-            output.append(item)
-            return done + [
-                sse("response.content_part.done", item_id=item["id"], output_index=index,
-                    content_index=0, part=part),
-                sse("response.output_item.done", output_index=index, item=item),
-            ]  # fmt: skip
-
-        def open_(kind: str) -> list[bytes]:
-            nonlocal open_item
-            index = len(output)
-            if kind == "message":
-                open_item = _message_item(_id("msg"), "", status="in_progress")
-                part = {"type": "output_text", "text": "", "annotations": []}
-            else:
-                open_item = _reasoning_item(_id("rs"), "")
-                part = {"type": "reasoning_text", "text": ""}
-            added = {**open_item, "content": []}
-            return [
-                sse("response.output_item.added", output_index=index, item=added),
-                sse("response.content_part.added", item_id=open_item["id"], output_index=index,
-                    content_index=0, part=part),
-            ]  # fmt: skip
-
-        def failure(message: str) -> list[bytes]:
-            """Seed 000: an error after the stream started is `error`, then `response.failed`
-            (the response with status failed and its error)."""
-            error = {"code": "server_error", "message": message}
-            failed = {**shell, "status": "failed", "output": output, "error": error}
-            return [
-                sse("error", code="server_error", message=message, param=None, request_id=rid),
-                sse("response.failed", response=failed),
-            ]
-
-        try:
-            yield sse("response.created", response=shell)
-            yield sse("response.in_progress", response=shell)
-            async with events:
-                async for event in chat.parsed(events, prompt, seq):
-                    if isinstance(event, Restarted):
-                        continue
-                    if isinstance(event, Failed):
-                        for chunk in close() + failure(event.message):
-                            yield chunk
-                        log_request(route, event.status, None, session, t0)
-                        return
-                    if isinstance(event, Finished):
-                        for chunk in close():
-                            yield chunk
-                        response = finished(event, output)
-                        kind = (
-                            "response.incomplete"
-                            if event.reason == "length"
-                            else "response.completed"
-                        )
-                        yield sse(kind, response=response)
-                        log_request(route, 200, event, session, t0)
-                        return
-                    if isinstance(event, ToolCall):
-                        for chunk in close():
-                            yield chunk
-                        item = toolbox.item(event)
-                        index = len(output)
-                        custom = item["type"] == "custom_tool_call"
-                        field = "input" if custom else "arguments"
-                        prefix = "response.custom_tool_call_input" if custom else (
-                            "response.function_call_arguments")  # fmt: skip
-                        yield sse("response.output_item.added", output_index=index,
-                                  item={**item, field: "", "status": "in_progress"})  # fmt: skip
-                        yield sse(f"{prefix}.delta", item_id=item["id"], output_index=index,
-                                  delta=item[field])  # fmt: skip
-                        yield sse(f"{prefix}.done", item_id=item["id"], output_index=index,
-                                  **{field: item[field]})  # fmt: skip
-                        output.append(item)
-                        yield sse("response.output_item.done", output_index=index, item=item)
-                        continue
-                    kind = "reasoning" if isinstance(event, Reasoning) else "message"
-                    if (
-                        kind == "message"
-                        and not event.text.strip()
-                        and (open_item is None or open_item["type"] != "message")
-                    ):
-                        continue  # whitespace between items is not a message
-                    if open_item is None or open_item["type"] != kind:
-                        for chunk in close() + open_(kind):
-                            yield chunk
-                    open_item["content"][0]["text"] += event.text
-                    delta_kind = (
-                        "response.reasoning_text.delta" if kind == "reasoning"
-                        else "response.output_text.delta"
-                    )  # fmt: skip
-                    yield sse(delta_kind, item_id=open_item["id"], output_index=len(output),
-                              content_index=0, delta=event.text)  # fmt: skip
-            for chunk in close() + failure("the request was dropped"):
-                yield chunk
-        finally:
-            state.scheduler.cancel(seq)
-
-    return event_stream(stream())
+    def _open(self, kind: str) -> list[Frame]:
+        index = len(self.output)
+        if kind == "message":
+            self.open_item = _message_item(new_id("msg"), "", status="in_progress")
+            part = {"type": "output_text", "text": "", "annotations": []}
+        else:
+            self.open_item = _reasoning_item(new_id("rs"), "")
+            part = {"type": "reasoning_text", "text": ""}
+        added = {**self.open_item, "content": []}
+        return [
+            self._sse("response.output_item.added", output_index=index, item=added),
+            self._sse("response.content_part.added", item_id=self.open_item["id"],
+                      output_index=index, content_index=0, part=part),
+        ]  # fmt: skip
 
 
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict:

@@ -12,8 +12,8 @@ import math
 from ..events import Decision, Failed, Finished, Request, Restarted
 from ..protocol import SamplingParams
 from . import decisions as d
+from .driver import failure, submit
 from .errors import ApiError, invalid, not_ready
-from .openai_api import failure, submit
 from .state import ServerState
 
 MAX_SUFFIX_TOKENS = 65536  # all questions' suffixes together, per request

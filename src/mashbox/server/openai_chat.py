@@ -1,0 +1,268 @@
+"""OpenAI Chat Completions as a codec: the body parsed into a `Call`, the answer encoded as
+a `chat.completion` or as `chat.completion.chunk` events (driver.py runs both)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import attrs
+
+from ..events import Finished
+from ..text.parser import Reasoning, ToolCall
+from . import chat
+from .chat import Answer, ToolChoice
+from .driver import Call, Frame, OneFieldFrame, frame
+from .errors import bad_request
+from .generation import build_request, check_model, encode_prompt
+from .state import ServerState
+from .validate import Body
+
+_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+# --- request parsing -------------------------------------------------------------------------
+
+
+def message_text(content, where: str) -> str:
+    """A message's content as text: a string, a list of text parts, or null."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of parts", "messages")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in ("image_url", "input_image", "input_audio", "file", "image", "audio"):
+            raise bad_request(
+                f"{where}.content[{j}] is a {kind} part: this model reads text only", "messages"
+            )
+        else:
+            raise bad_request(f"{where}.content[{j}] must be a text part", "messages")
+    return "".join(texts)
+
+
+def _tool_calls(value, where: str) -> list[dict]:
+    if not isinstance(value, list):
+        raise bad_request(f"{where}.tool_calls must be an array", "messages")
+    calls = []
+    for j, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"{where}.tool_calls[{j}].function.name is required", "messages")
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str | dict):
+            raise bad_request(
+                f"{where}.tool_calls[{j}].function.arguments must be a string", "messages"
+            )
+        calls.append(
+            {
+                "id": str(call.get("id") or f"call_{j}"),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return calls
+
+
+def chat_messages(body: Body) -> list[dict]:
+    """HF-style messages; system and developer join one leading system prompt."""
+    messages = body.list("messages")
+    if not messages:
+        raise bad_request("messages must be a non-empty array", "messages")
+    system, rest = [], []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where} must be an object", "messages")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise bad_request(
+                f"{where}.role must be one of {', '.join(sorted(_ROLES))}", "messages"
+            )
+        text = message_text(m.get("content"), where)
+        if role in ("system", "developer"):
+            system.append(text)
+            continue
+        out = {"role": "tool" if role == "function" else role, "content": text}
+        if role == "assistant" and m.get("tool_calls"):
+            out["tool_calls"] = _tool_calls(m["tool_calls"], where)
+        if role == "assistant" and isinstance(m.get("reasoning_content"), str):
+            out["reasoning_content"] = m["reasoning_content"]
+        if out["role"] == "tool":
+            out["tool_call_id"] = str(m.get("tool_call_id") or "")
+            if isinstance(m.get("name"), str):
+                out["name"] = m["name"]
+        rest.append(out)
+    head = [{"role": "system", "content": "\n\n".join(system)}] if system else []
+    return head + rest
+
+
+def chat_tools(body: Body) -> list[dict] | None:
+    """Function tools, normalised to {"type": "function", "function": {...}}."""
+    tools = body.list("tools")
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise bad_request(f"tools[{i}] must be a function tool", "tools")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"tools[{i}].function.name is required", "tools")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be an object", "tools")
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(body: Body) -> ToolChoice:
+    value = body.raw("tool_choice", "auto")
+    if value in ("auto", "none", "required"):
+        return ToolChoice(value)
+    if isinstance(value, dict) and value.get("type") == "function":
+        name = (value.get("function") or {}).get("name")
+        if isinstance(name, str):
+            return ToolChoice("function", name)
+    raise bad_request(
+        "tool_choice must be auto, none, required or {'type': 'function', 'function': "
+        "{'name': ...}}",
+        "tool_choice",
+    )
+
+
+def thinking_requested(body: Body) -> bool:
+    kwargs = body.object("chat_template_kwargs")
+    if kwargs is not None and kwargs.has("enable_thinking"):
+        return kwargs.bool("enable_thinking")
+    return body.bool("enable_thinking", False)
+
+
+def _refuse_unsupported(body: Body) -> None:
+    body.refuse("logprobs", "log probabilities are not returned")
+    body.refuse("top_logprobs", "log probabilities are not returned")
+    fmt = body.object("response_format")
+    if fmt is not None and fmt.raw("type", "text") != "text":
+        raise bad_request(
+            "response_format: only {'type': 'text'} is supported (no structured output)",
+            "response_format",
+        )
+
+
+def include_usage(body: Body) -> bool:
+    options = body.object("stream_options")
+    return bool(options and options.bool("include_usage", False))
+
+
+def usage_dict(usage, *, details: bool = True) -> dict:
+    out = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+    if details:
+        out["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    return out
+
+
+def error_frame(rid: str, message: str) -> Frame:
+    """An error after the stream started (OpenAI's streams have no error event of their own)."""
+    return frame({"error": {"message": message, "type": "server_error", "request_id": rid}})
+
+
+def tool_call_dict(call: ToolCall) -> dict:
+    return {
+        "id": "call_" + secrets.token_hex(12),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+async def parse(state: ServerState, body: Body, tenant: str) -> Call:
+    check_model(body, state)
+    _refuse_unsupported(body)
+    prompt = chat.render(
+        state,
+        chat_messages(body),
+        tools=chat_tools(body),
+        tool_choice=chat_tool_choice(body),
+        thinking=thinking_requested(body),
+    )
+    ids = await encode_prompt(state, prompt.text, "messages", tenant=tenant, rendered=True)
+    request = build_request(body, state, ids, tenant)
+    encoder = ChatEncoder(state.model_id, request.params.seed, include_usage(body))
+    return Call(request, prompt, encoder)
+
+
+class ChatEncoder:
+    """One answer as a chat.completion, or as chat.completion.chunk events."""
+
+    ping_every = None
+    waits_for_admission = False
+
+    def __init__(self, model: str, seed: int, usage_chunk: bool):
+        self.rid = "chatcmpl-" + secrets.token_hex(12)
+        self.base = {"id": self.rid, "created": int(time.time()), "model": model}
+        self.fingerprint = f"seed-{seed}"
+        self.usage_chunk = usage_chunk
+        self.calls = 0
+        self.content = OneFieldFrame(lambda text: self._chunk({"content": text}))
+
+    def _chunk(self, delta: dict, finish=None, **extra) -> Frame:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        return frame(
+            {
+                **self.base,
+                "object": "chat.completion.chunk",
+                "system_fingerprint": self.fingerprint,
+                "choices": [choice],
+                **extra,
+            }
+        )
+
+    def start(self, cached: int | None) -> list[Frame]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def feed(self, item) -> list[Frame]:
+        if isinstance(item, Reasoning):
+            return [self._chunk({"reasoning_content": item.text})]
+        if isinstance(item, ToolCall):
+            call = {"index": self.calls, **tool_call_dict(item)}
+            self.calls += 1
+            return [self._chunk({"tool_calls": [call]})]
+        return [self.content(item.text)]  # Content, or tool-call markup that did not parse
+
+    def finish(self, done: Finished) -> list[Frame]:
+        timings = attrs.asdict(done.timings)
+        out = [self._chunk({}, chat.finish_reason(done, self.calls), timings=timings)]
+        if self.usage_chunk:
+            tail = {"choices": [], "usage": usage_dict(done.usage), "timings": timings}
+            out.append(frame({**self.base, "object": "chat.completion.chunk", **tail}))
+        return [*out, frame("[DONE]")]
+
+    def fail(self, message: str, status: int) -> list[Frame]:
+        return [error_frame(self.rid, message)]
+
+    def whole(self, answer: Answer) -> dict:
+        done, calls = answer.done, [tool_call_dict(c) for c in answer.calls]
+        text = answer.text()
+        message = {"role": "assistant", "content": text if text.strip() or not calls else None}
+        if reasoning := answer.text(Reasoning):
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+        return {
+            **self.base,
+            "object": "chat.completion",
+            "system_fingerprint": self.fingerprint,
+            "choices": [
+                {"index": 0, "message": message, "finish_reason": chat.finish_reason(done, calls)}
+            ],
+            "usage": usage_dict(done.usage),
+            "timings": attrs.asdict(done.timings),
+        }
