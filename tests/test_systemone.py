@@ -14,7 +14,7 @@ from backports import zstd
 from typesafe_sdk import Choice, Noul, RetryPolicy, Score, TypeSafeClient
 from typesafe_sdk._core.errors import TypeSafeUnprocessableEntityError
 
-from mashbox.server import decisions
+from mashbox.server import decision_labels
 
 from serverproc import serving
 
@@ -421,12 +421,12 @@ def test_a_repeated_state_is_read_from_the_prefix_cache(decision_server):
 
 
 def test_confidence_formulas():
-    assert decisions.choice_confidence([0.5, 0.5]) == 0
-    assert decisions.choice_confidence([1.0, 0.0, 0.0]) == 1
-    assert decisions.score_confidence([1.0, 0.0, 0.0]) == 1
-    assert decisions.score_confidence([0.5, 0.0, 0.5]) == 0  # mass far from the mode
-    assert decisions.entropy_confidence([0.25] * 4) == pytest.approx(0)
-    assert decisions.entropy_confidence([1.0, 0.0]) == 1
+    assert decision_labels.choice_confidence([0.5, 0.5]) == 0
+    assert decision_labels.choice_confidence([1.0, 0.0, 0.0]) == 1
+    assert decision_labels.score_confidence([1.0, 0.0, 0.0]) == 1
+    assert decision_labels.score_confidence([0.5, 0.0, 0.5]) == 0  # mass far from the mode
+    assert decision_labels.entropy_confidence([0.25] * 4) == pytest.approx(0)
+    assert decision_labels.entropy_confidence([1.0, 0.0]) == 1
 
 
 def test_images_are_refused_not_dropped(decision_server):

@@ -297,7 +297,7 @@ def _is_anthropic(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
-JEV_PATHS = frozenset({"/v1/systemone", "/v1/limits"})
+SYSTEMONE_PATHS = frozenset({"/v1/systemone", "/v1/limits"})
 LOCALENGINE_PATHS = frozenset({"/v1/embeddings", WS_PATH})  # seed 001's routes: its Error
 
 
@@ -305,8 +305,8 @@ def _shaped(error: ApiError, path: str) -> ApiError:
     """An error in the shape of the route it answers."""
     if _is_anthropic(path):
         return error.for_anthropic()
-    if path in JEV_PATHS:
-        return error.for_jev()
+    if path in SYSTEMONE_PATHS:
+        return error.for_systemone()
     if path in LOCALENGINE_PATHS:
         return error.for_localengine()
     return error

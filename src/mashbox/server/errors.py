@@ -34,7 +34,7 @@ _LOCALENGINE_CODES = {
 }
 
 # Seed 004's error codes (ErrorDetail.code).
-JEV_CODES = frozenset(
+SYSTEMONE_CODES = frozenset(
     {
         "validation", "body_too_large", "unknown_model", "too_many_tokens",
         "unsupported_content", "backend_unreachable", "backend_error", "backend_timeout",
@@ -53,14 +53,14 @@ class ApiError(Exception):
     param: str | None = None
     code: str | None = None
     headers: dict = attrs.Factory(dict)
-    shape: str = "openai"  # or "anthropic" (/v1/messages*) or "jev" (/v1/systemone)
-    detail: list | None = None  # FastAPI-style validation entries (jev shape)
+    shape: str = "openai"  # or "anthropic" (/v1/messages*) or "systemone" (/v1/systemone)
+    detail: list | None = None  # FastAPI-style validation entries (systemone shape)
 
     def body(self) -> dict:
         if self.shape == "anthropic":
             kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
             return {"type": "error", "error": {"type": kind, "message": self.message}}
-        if self.shape == "jev":
+        if self.shape == "systemone":
             # Seed 004's `error`, and for TypeSafe's clients a `detail`: FastAPI's list on a
             # validation error, else {error_type, message} (Anthropic's type names).
             body = {"error": {"message": self.message, "code": self.code}}
@@ -99,11 +99,11 @@ class ApiError(Exception):
                 headers["x-should-retry"] = "true"
         return attrs.evolve(self, status=status, headers=headers, shape="anthropic")
 
-    def for_jev(self) -> ApiError:
+    def for_systemone(self) -> ApiError:
         """The same error in seed 004's shape: one of its codes, 422 for validation (with a
         `detail` list, as FastAPI-style clients expect), 529 overloaded when the queue is
         full, 503 while the model loads, 502 when the engine failed."""
-        if self.shape == "jev":
+        if self.shape == "systemone":
             return self
         status, code, headers = self.status, self.code, dict(self.headers)
         if self.type == "unavailable":
@@ -122,7 +122,7 @@ class ApiError(Exception):
         elif status in (401, 403, 404, 405):
             # No code of seed 004's names these; `detail.error_type` does.
             code = "validation"
-        elif code not in JEV_CODES:
+        elif code not in SYSTEMONE_CODES:
             # The seed has no code for auth, routing or method errors: they keep their
             # status and read as a request problem.
             status, code = (502, "backend_error") if status >= 500 else (status, "validation")
@@ -132,7 +132,7 @@ class ApiError(Exception):
         if code == "validation" and not detail and status == 422:
             detail = [{"loc": ["body"], "msg": self.message, "type": "value_error"}]
         return attrs.evolve(
-            self, status=status, code=code, headers=headers, shape="jev", detail=detail
+            self, status=status, code=code, headers=headers, shape="systemone", detail=detail
         )
 
 
@@ -141,7 +141,7 @@ def invalid(loc: tuple, message: str, kind: str = "value_error", code="validatio
     where = ".".join(str(part) for part in loc)
     entry = {"loc": ["body", *loc], "msg": message, "type": kind}
     return ApiError(422, f"{where}: {message}" if where else message, code=code,
-                    param=where or None, shape="jev", detail=[entry])  # fmt: skip
+                    param=where or None, shape="systemone", detail=[entry])  # fmt: skip
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:

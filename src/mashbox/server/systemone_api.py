@@ -11,6 +11,7 @@ import math
 
 from ..events import Decision, Failed, Finished, Request, Restarted
 from ..protocol import SamplingParams
+from . import decision_labels as dl
 from . import decisions as d
 from .driver import failure, submit
 from .errors import ApiError, invalid, not_ready
@@ -38,7 +39,7 @@ def model_entries(state: ServerState) -> list[dict]:
     return [
         {"name": state.model_id, "description": description, "release_date": "1970-01-01"},
         {
-            "name": d.JEV_MODEL,
+            "name": d.TYPESAFE_MODEL,
             "description": f"alias of {state.model_id} for TypeSafe Jev clients",
             "release_date": "1970-01-01",
         },
@@ -56,11 +57,11 @@ async def systemone(state: ServerState, data, tenant: str = "") -> dict:
         raise invalid(("images",), "this model reads text only", "extra_forbidden")
     model = data.get("model")
     if not isinstance(model, str) or not model:
-        raise invalid(("model",), f"is required: {d.JEV_MODEL} or {state.model_id}", "missing")
-    if model not in (d.JEV_MODEL, state.model_id):
+        raise invalid(("model",), f"is required: {d.TYPESAFE_MODEL} or {state.model_id}", "missing")
+    if model not in (d.TYPESAFE_MODEL, state.model_id):
         raise invalid(
             ("model",),
-            f"'{model}' is not served here (use {d.JEV_MODEL} or {state.model_id})",
+            f"'{model}' is not served here (use {d.TYPESAFE_MODEL} or {state.model_id})",
             code="unknown_model",
         )
     if "state" not in data:
@@ -71,7 +72,7 @@ async def systemone(state: ServerState, data, tenant: str = "") -> dict:
 
     tok = state.tokenizer
     before, after = d.render_split(state.template, d.state_messages(data["state"]))
-    labels = d.labels_for(tok, after)
+    labels = dl.labels_for(tok, after)
     chosen = {}
     for qid, q in questions.items():
         chosen[qid] = labels.for_question(q)
@@ -92,17 +93,17 @@ async def systemone(state: ServerState, data, tenant: str = "") -> dict:
         raise invalid(("questions",), f"the questions are more than {MAX_SUFFIX_TOKENS} tokens",
                       code="too_many_tokens")  # fmt: skip
     branches = [
-        d.branch_for(suffix, chosen[qid]) for qid, suffix in zip(questions, suffixes, strict=True)
+        dl.branch_for(suffix, chosen[qid]) for qid, suffix in zip(questions, suffixes, strict=True)
     ]
     request = Request(tuple(prefix), SamplingParams(), 1, tenant=tenant, branches=tuple(branches))
     reads = await _run(state, request)
 
     answers = {}
     for (qid, q), branch, read in zip(questions.items(), branches, reads, strict=True):
-        logprobs = d.label_logprobs(branch, chosen[qid], read)
+        logprobs = dl.label_logprobs(branch, chosen[qid], read)
         if not all(math.isfinite(lp) for lp in logprobs):
             raise ApiError(502, "the model gave non-finite probabilities", code="backend_error")
-        answers[qid] = d.answer(q, d.softmax(logprobs))
+        answers[qid] = dl.answer(q, dl.softmax(logprobs))
     read_tokens = sum(len(b.token_ids) + len(b.leaves) for b in branches)
     return {
         "model": model,
