@@ -1,5 +1,5 @@
-"""Typed decisions (/v1/systemone): questions -> one shared prompt and a branch per question;
-label log-probs -> answers.
+"""Typed decisions (/v1/systemone): questions validated, and rendered as one shared prompt
+and a suffix per question (decision_labels.py reads the answers).
 
 The state is rendered once through the chat template and ends at a special token; each
 question is a suffix after it (its own user turn and the generation prompt) whose answer is
