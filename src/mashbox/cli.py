@@ -8,9 +8,14 @@ import os
 import sys
 from pathlib import Path
 
+import attrs
+import cattrs
+
 from . import __version__
-from .prompt_cache import DEFAULT_CACHE_RAM_MIB
+from .options import ServeOptions
 from .registry import DEFAULT_MODEL
+
+DEFAULTS = ServeOptions()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,38 +29,43 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_MODEL,
         help=f"a model id from models.json, a .gguf file or an HF folder (default {DEFAULT_MODEL})",
     )
-    run.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    run.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free)")
+    d = DEFAULTS
+    run.add_argument("--host", default=d.host, help=f"address to bind (default {d.host})")
+    run.add_argument("--port", type=int, default=d.port, help=f"port (default {d.port}; 0 = any)")
     run.add_argument(
-        "--ctx", type=int, default=None, help="tokens per slot (default: the model's, at most 8192)"
+        "--ctx", type=int, default=d.ctx, help="tokens per slot (default: the model's, up to 8192)"
     )
-    run.add_argument("--slots", type=int, default=4, help="requests decoded together (default 4)")
+    run.add_argument(
+        "--slots", type=int, default=d.slots, help=f"requests decoded together (default {d.slots})"
+    )
     run.add_argument(
         "--models-dir",
         type=Path,
-        default=None,
+        default=d.models_dir,
         help="weights cache (default $MASHBOX_MODELS_DIR or ~/.cache/mashbox/models)",
     )
-    run.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    run.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto (default)")
     run.add_argument(
-        "--threads", type=int, default=0, help="torch CPU threads (default: all cores)"
+        "--threads", type=int, default=d.threads, help="torch CPU threads (default: all cores)"
     )
     run.add_argument(
         "--prefill-chunk",
         type=int,
-        default=256,
-        help="prompt tokens prefilled per step, so long prompts never stall streams (default 256)",
+        default=d.prefill_chunk,
+        help="prompt tokens prefilled per step, so long prompts never stall streams "
+        f"(default {d.prefill_chunk})",
     )
     run.add_argument(
         "--stall-timeout",
         type=float,
-        default=float(os.environ.get("MASHBOX_STALL_TIMEOUT", 30)),
-        help="seconds a streaming client may read nothing before it is dropped (default 30)",
+        default=float(os.environ.get("MASHBOX_STALL_TIMEOUT", d.stall_timeout)),
+        help="seconds a client's connection may take nothing while its answer waits, before it "
+        f"is disconnected (default {d.stall_timeout:g}, or $MASHBOX_STALL_TIMEOUT)",
     )
     run.add_argument(
         "--decode-weights",
         choices=["auto", "float", "int8", "int4", "int4a16", "int4a8"],
-        default="auto",
+        default=d.decode_weights,
         help="what decode steps read: int4 (CPU only: the GGUF's own Q4_0/Q4_1/Q8_0 blocks, "
         "exactly; int8 for other matrices), int4a16 / int4a8 (int4, the 4-bit blocks taking "
         "activations rounded to int16 / int8 per block of 32: faster; int4a8 is llama.cpp's "
@@ -66,28 +76,30 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--cache-ram",
         type=int,
-        default=DEFAULT_CACHE_RAM_MIB,
+        dest="cache_ram_mib",
+        default=d.cache_ram_mib,
         metavar="MIB",
         help="host memory for saved prompt prefixes, LRU; 0 = off "
-        f"(default {DEFAULT_CACHE_RAM_MIB}, as llama-server's)",
+        f"(default {d.cache_ram_mib}, as llama-server's)",
     )
     run.add_argument(
         "--api-key-file",
         type=Path,
-        default=None,
+        default=d.api_key_file,
         help="keys clients must send: one 'KEY [TENANT]' a line (also $MASHBOX_API_KEY)",
     )
     run.add_argument(
         "--allowed-host",
         action="append",
-        default=[],
+        dest="allowed_hosts",
+        default=list(d.allowed_hosts),
         metavar="NAME",
         help="another host name clients may use for this server (repeatable)",
     )
     run.add_argument(
         "--tenant-slots",
         type=int,
-        default=None,
+        default=d.tenant_slots,
         metavar="N",
         help="slots one tenant's requests may hold at once (default: an equal share of --slots "
         "among the key file's tenants, rounded up; 0 = no cap)",
@@ -95,8 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--step-timeout",
         type=float,
-        default=120.0,
-        help="seconds one engine step may take before the engine counts as hung (default 120)",
+        default=d.step_timeout,
+        help="seconds one engine step may take before the engine counts as hung "
+        f"(default {d.step_timeout:g})",
     )
     run.add_argument(
         "--ui",
@@ -106,8 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--keep-alive",
         type=float,
-        default=5.0,
-        help="seconds an idle keep-alive connection stays open (default 5)",
+        default=d.keep_alive,
+        help=f"seconds an idle keep-alive connection stays open (default {d.keep_alive:g})",
     )
     sub.add_parser(
         "kernels",
@@ -139,7 +152,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="mashbox: %(message)s")
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
     if args.command == "run":
-        from .serve import ServeOptions, run
+        from .serve import run
 
         if args.slots < 1:
             _parser().error("--slots must be at least 1")
@@ -147,27 +160,11 @@ def main(argv=None) -> int:
             _parser().error("--ctx must be at least 16")
         if args.tenant_slots is not None and args.tenant_slots < 0:
             _parser().error("--tenant-slots must be 0 (no cap) or more")
-        if args.cache_ram < 0:
+        if args.cache_ram_mib < 0:
             _parser().error("--cache-ram must be 0 (off) or more MiB")
-        opts = ServeOptions(
-            host=args.host,
-            port=args.port,
-            ctx=args.ctx,
-            slots=args.slots,
-            models_dir=args.models_dir,
-            device=args.device,
-            threads=args.threads,
-            prefill_chunk=args.prefill_chunk,
-            stall_timeout=args.stall_timeout,
-            step_timeout=args.step_timeout,
-            keep_alive=args.keep_alive,
-            api_key_file=args.api_key_file,
-            cache_ram_mib=args.cache_ram,
-            decode_weights=args.decode_weights,
-            allowed_hosts=tuple(args.allowed_host),
-            ui=args.ui,
-            tenant_slots=args.tenant_slots,
-        )
+        # Every option's flag has the option's name (dest): the values become ServeOptions.
+        fields = attrs.fields_dict(ServeOptions)
+        opts = cattrs.structure({name: getattr(args, name) for name in fields}, ServeOptions)
         return run(args.model, opts)
     if args.command == "kernels":
         return kernels()

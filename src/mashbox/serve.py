@@ -11,13 +11,13 @@ import time
 from functools import partial
 from pathlib import Path
 
-import attrs
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from . import registry
-from .prompt_cache import DEFAULT_CACHE_RAM_MIB, PromptCache
+from .options import ServeOptions
+from .prompt_cache import PromptCache
 from .scheduler import Scheduler
 from .server import chat_ws, connections
 from .server.app import RefuseBadHost, ShieldFinalSend, create_app
@@ -36,27 +36,6 @@ BACKLOG = 1024
 
 class FatalError(Exception):
     """Stops the server with a one-line message (exit status 1)."""
-
-
-@attrs.frozen
-class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    ctx: int | None = None
-    slots: int = 4
-    models_dir: Path | None = None
-    device: str = "auto"
-    threads: int = 0
-    prefill_chunk: int = 256
-    stall_timeout: float = 30.0
-    step_timeout: float = 120.0
-    keep_alive: float = 5.0
-    api_key_file: Path | None = None
-    cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB
-    decode_weights: str = "auto"
-    allowed_hosts: tuple[str, ...] = ()
-    ui: bool = False  # the chat page on /
-    tenant_slots: int | None = None  # None: an equal share among the key file's tenants
 
 
 def tenant_slots(opts: ServeOptions, guard: Guard) -> int:
