@@ -358,7 +358,7 @@ async def collect(state: ServerState, seq, events, prompt: ChatPrompt | None, fa
     Without a prompt (text completions) the text is not parsed: it is all content.
     """
     items: list = []
-    source = chat_events(events, seq) if prompt is None else parsed(events, prompt, seq)
+    source = plain_events(events, seq) if prompt is None else parsed(events, prompt, seq)
     try:
         async with events:
             async for event in source:
@@ -375,7 +375,7 @@ async def collect(state: ServerState, seq, events, prompt: ChatPrompt | None, fa
     raise ApiError(500, "the request was dropped before it finished", type="server_error")
 
 
-async def chat_events(events, seq):
+async def plain_events(events, seq):
     """Scheduler events with text as Content, unparsed (plain completions); each text marks
     `seq` delivered as it is handed to the route to write."""
     async for event in events:

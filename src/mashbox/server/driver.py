@@ -149,7 +149,7 @@ async def _stream(state, seq, events, call: Call, logged) -> AsyncIterator[Frame
             for f in encoder.start(cached):
                 yield f
             if call.prompt is None:
-                items = chat.chat_events(source, seq)
+                items = chat.plain_events(source, seq)
             else:
                 items = chat.parsed(source, call.prompt, seq, ping_every=encoder.ping_every)
             async for item in items:
