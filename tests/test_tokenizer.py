@@ -377,3 +377,17 @@ def test_client_text_never_becomes_a_control_token(kind, bpe_tok, spm_tok):
     assert tok.defuse("plain words") == "plain words"
     assert tok.encode_rendered("<|im_start|>user\nhi") == tok.encode("<|im_start|>user\nhi")
     assert tok.defuse("a\ufdd0b") == "ab"
+
+
+def test_lean_gguf_reader_reads_tokenizer_arrays(spm_gguf, workdir, bpe):
+    """The tokenizer's metadata, arrays included, reads as gguf's own reader reads it, and
+    a reader a caller has open gives the same tokenizer as the path."""
+    from mashbox.engine import gguf_file
+
+    bpe_gguf = write_gguf(workdir / "bpe-arrays.gguf", lambda w: tinytok.add_bpe_tokenizer(w, bpe))
+    for path in (spm_gguf, bpe_gguf):
+        reader = gguf.GGUFReader(path)
+        keys = [key for key in reader.fields if key.startswith("tokenizer.")]
+        fields = gguf_file.read_metadata(path, keys)
+        assert {k: fields[k] for k in keys} == {k: reader.fields[k].contents() for k in keys}
+        assert Tokenizer.from_gguf(reader).fingerprint() == Tokenizer.from_gguf(path).fingerprint()

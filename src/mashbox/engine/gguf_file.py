@@ -4,11 +4,13 @@ gguf's `GGUFReader` builds an object for every element of every metadata array; 
 vocabulary and merges of a big tokenizer (Qwen2.5: 151,936 tokens) take it tens of seconds.
 The engine needs none of those arrays, so this reader skips them (strings are skipped by
 their lengths, numbers by their size) and maps the tensors straight from the file.
+The tokenizer reads the arrays it needs with `read_metadata` (Qwen2.5's in 0.2 s).
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Collection
 from pathlib import Path
 
 import attrs
@@ -56,6 +58,18 @@ class _Cursor:
         else:
             self.pos += struct.calcsize("<" + _SCALARS[kind]) * count
 
+    def array(self) -> list:
+        """An array's values as a list (as gguf's `ReaderField.contents()` gives them)."""
+        kind, count = self.take("I"), self.take("Q")
+        if kind == _STRING:
+            return [self.string() for _ in range(count)]
+        if kind == _ARRAY:
+            return [self.array() for _ in range(count)]
+        dtype = np.dtype("<" + _SCALARS[kind])
+        values = np.frombuffer(self.buf, dtype, count, self.pos)
+        self.pos += dtype.itemsize * count
+        return values.tolist()
+
 
 def read(path: Path) -> tuple[dict, list[TensorInfo]]:
     """Scalar and string metadata (arrays skipped), and every tensor, memory-mapped."""
@@ -92,3 +106,29 @@ def read(path: Path) -> tuple[dict, list[TensorInfo]]:
         data = raw[start + offset : start + offset + nbytes]
         tensors.append(TensorInfo(name, shape, qtype, data))
     return fields, tensors
+
+
+def read_metadata(path: Path, arrays: Collection[str] = ()) -> dict:
+    """Scalar and string metadata, and the arrays whose keys are in `arrays` (the tokenizer's
+    vocabulary, say) as lists; the rest of the arrays and the tensors are skipped."""
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(memoryview(raw))
+    if bytes(raw[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    cur.pos = 4
+    version, _, n_kv = cur.take("I"), cur.take("Q"), cur.take("Q")
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not supported")
+    fields: dict = {}
+    for _ in range(n_kv):
+        key, kind = cur.string(), cur.take("I")
+        if kind == _STRING:
+            fields[key] = cur.string()
+        elif kind == _ARRAY:
+            if key in arrays:
+                fields[key] = cur.array()
+            else:
+                cur.skip_array()
+        else:
+            fields[key] = cur.take(_SCALARS[kind])
+    return fields
