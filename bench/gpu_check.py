@@ -49,7 +49,8 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]  # this tree's mashbox; 
 from mashbox.engine.config import ModelConfig  # noqa: E402
 from mashbox.engine.engine import Engine, compiles_so_far  # noqa: E402
 from mashbox.engine.graph_decode import GraphDecoder, reads_in_place  # noqa: E402
-from mashbox.engine.model import KVCache, Model  # noqa: E402
+from mashbox.engine.kv_cache import KVCache  # noqa: E402
+from mashbox.engine.model import Model  # noqa: E402
 
 from tinymodels import no_tokenizer, random_weights, step_by_step, write_gguf  # noqa: E402
 
@@ -75,7 +76,7 @@ def first_decode_logits(engine: Engine, prompts, first_tokens: list[int]) -> tor
     device = engine.device
     ids = torch.tensor(first_tokens, device=device)
     positions = torch.tensor([len(p) for p in prompts], device=device)
-    hidden = engine.model.decode(engine.cache, list(range(len(prompts))), ids, positions)
+    hidden = engine.decoder.decode(list(range(len(prompts))), ids, positions)
     return engine.model.logits(hidden).float().cpu()
 
 
@@ -105,7 +106,7 @@ def correctness(device: str, workdir: Path, n_tokens: int = 32) -> dict:
             "max_logit_diff": float((logits[name] - logits[base]).abs().max()),
         }
 
-    decoder = engines[f"{device}-graph"].model.graph_decoder
+    decoder = engines[f"{device}-graph"].decoder
     return {
         "model": "tiny llama (2 layers, d_model 64, vocab 97)",
         "vs_cpu_float32": {name: versus(name, "cpu-float32") for name in list(engines)[1:]},
@@ -191,7 +192,7 @@ def speed(cfg, device: torch.device, *, slots, ctx, batches, warmup, steps, fill
     weight_bytes = model.decode_nbytes
     limit_s = weight_bytes / BANDWIDTH
     modes = {
-        "reference": lambda s, i, p: model.decode(cache, s, i, p),  # no decoder set: per row
+        "reference": lambda s, i, p: model.decode(cache, s, i, p),  # the model alone: per row
         "fixed-eager": lambda s, i, p: decoder.decode(s, i, p, eager=True),
         "graph": lambda s, i, p: decoder.decode(s, i, p),
     }

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from mashbox.engine.decode_weight import nbytes
 from mashbox.engine.engine import Engine
-from mashbox.engine.model import nbytes
 from mashbox.protocol import Admit, Decode, Prefill, SamplingParams, Step
 from mashbox.registry import DEFAULT_MODEL, default_models_dir, known_models
 

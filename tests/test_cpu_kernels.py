@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mashbox.engine import cpu_kernels, kernel_build
-from mashbox.engine.model import Int8Weight, quantize_int8
+from mashbox.engine.int8_weight import Int8Weight, quantize_int8
 
 # Skipped only where the machine truly cannot build them; anywhere else no kernels is a failure.
 LACKS = kernel_build.machine_lacks()

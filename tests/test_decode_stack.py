@@ -10,7 +10,8 @@ import torch
 
 from mashbox.engine import kernel_build
 from mashbox.engine.engine import Engine
-from mashbox.engine.int4 import Int4Weight, Q8Weight
+from mashbox.engine.int4 import Int4Weight
+from mashbox.engine.q8_weight import Q8Weight
 
 from tinymodels import no_tokenizer, random_weights, write_gguf
 

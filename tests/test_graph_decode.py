@@ -42,7 +42,7 @@ def test_fixed_shape_decode_matches_the_reference(tiny):
     padded (3 rows in bucket 4, 5 in 8), through both the gathered and the in-place
     attention: the same hidden states and KV, and slots outside the batch untouched."""
     ref, fixed = engines(tiny)
-    decoder = fixed.model.graph_decoder
+    decoder = fixed.decoder
     assert isinstance(decoder, GraphDecoder) and not decoder.graphs  # eager on the CPU
     assert fixed.cache.k.shape[1] == SLOTS + 1 and fixed.cache.scratch_slot == SLOTS
     generator = torch.Generator().manual_seed(0)
@@ -59,7 +59,7 @@ def test_fixed_shape_decode_matches_the_reference(tiny):
         assert decoder.bucket(len(rows), int(positions.max()) + 1) == bucket
         before_k, before_v = fixed.cache.k.clone(), fixed.cache.v.clone()
         expected = ref.model.decode(ref.cache, rows, ids, positions)
-        got = fixed.model.decode(fixed.cache, rows, ids, positions)
+        got = fixed.decoder.decode(rows, ids, positions)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(fixed.cache.k[:, :SLOTS], ref.cache.k, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fixed.cache.v[:, :SLOTS], ref.cache.v, rtol=1e-5, atol=1e-5)
@@ -94,7 +94,7 @@ def test_buckets():
 
 def test_the_smallest_fitting_bucket_is_chosen(tiny):
     engine = Engine(tiny, slots=SLOTS, ctx=CTX, graph_decode=True)
-    decoder = engine.model.graph_decoder
+    decoder = engine.decoder
     assert decoder.bucket(1, 1) == (1, 256)
     assert decoder.bucket(3, 256) == (4, 256)
     assert decoder.bucket(3, 257) == (4, 320)
@@ -106,11 +106,11 @@ def test_the_smallest_fitting_bucket_is_chosen(tiny):
 def test_the_default_on_the_cpu_is_the_existing_path(tiny, monkeypatch):
     monkeypatch.delenv(graph_decode.ENV, raising=False)
     engine = Engine(tiny, slots=2, ctx=64)
-    assert engine.model.graph_decoder is None and engine.cache.scratch_slot is None
+    assert not isinstance(engine.decoder, GraphDecoder) and engine.cache.scratch_slot is None
     assert engine.cache.k.shape[1] == 2
     monkeypatch.setenv(graph_decode.ENV, "1")
-    assert Engine(tiny, slots=2, ctx=64).model.graph_decoder is not None
-    assert Engine(tiny, slots=2, ctx=64, graph_decode=False).model.graph_decoder is None
+    assert isinstance(Engine(tiny, slots=2, ctx=64).decoder, GraphDecoder)
+    assert not isinstance(Engine(tiny, slots=2, ctx=64, graph_decode=False).decoder, GraphDecoder)
 
 
 class FakeGraph:
@@ -120,8 +120,10 @@ class FakeGraph:
     def __init__(self, decoder: GraphDecoder, batch: int, length: int, error: float):
         self.run = lambda: decoder._eager(batch, length) + error
         self.out = self.run()
+        self.replays = 0
 
     def replay(self):
+        self.replays += 1
         self.out.copy_(self.run())
 
 
@@ -147,9 +149,12 @@ def test_captured_graphs_are_counted_checked_and_replayed(tiny, fake_capture):
     assert compiles_so_far() - before == 8
     # The check put back what it wrote into real slots (the scratch slot holds anything).
     assert not fixed.cache.k[:, :SLOTS].any() and not fixed.cache.v[:, :SLOTS].any()
-    fixed.model.graph_decoder = decoder
+    fixed.decoder = decoder
+    checked = sum(graph.replays for graph, _ in decoder.graphs.values())
     prompts = [(4, 8, 15, 16, 23, 42), (9, 8, 7), tuple(i % VOCAB for i in range(248))]
     assert step_by_step(fixed, prompts, 16) == step_by_step(ref, prompts, 16)
+    # Each of the 15 decode steps went through the engine's decoder, as one replay.
+    assert sum(graph.replays for graph, _ in decoder.graphs.values()) - checked == 15
 
 
 def test_a_replay_that_differs_from_eager_turns_graphs_off(tiny, fake_capture, caplog):
@@ -178,7 +183,7 @@ def test_a_failed_capture_decodes_eagerly(tiny, caplog):
 def test_captured_graphs_replay_what_the_eager_function_computes(tiny):
     before = compiles_so_far()
     engine = Engine(tiny, slots=SLOTS, ctx=CTX, device="cuda", graph_decode=True)
-    decoder = engine.model.graph_decoder
+    decoder = engine.decoder
     assert decoder.eager_reason == "" and len(decoder.graphs) == 4 * 2
     assert compiles_so_far() - before == len(decoder.graphs)
     slots, ids = [0, 3, 5], torch.tensor([1, 2, 3], device="cuda")

@@ -11,7 +11,8 @@ from mashbox import registry
 from mashbox.engine import weights as weights_mod
 from mashbox.engine.engine import Engine
 from mashbox.engine.int4 import EXACT_QTYPES, Int4Weight, unpack
-from mashbox.engine.model import DECODE_MATRICES, Int8Weight
+from mashbox.engine.int8_weight import Int8Weight
+from mashbox.engine.model import DECODE_MATRICES
 
 from tinymodels import no_tokenizer, random_weights, write_gguf
 

@@ -12,7 +12,8 @@ from ..protocol import PREVIOUS, Admit, Decide, EngineInfo, SamplingParams, Step
 from . import cpu_kernels, int4
 from . import graph_decode as graph_decode_mod
 from . import weights as weights_mod
-from .model import KVCache, Model
+from .kv_cache import KVCache
+from .model import Model
 from .sampling import apply_penalties, greedy, sample
 
 
@@ -83,6 +84,18 @@ def _batches(branches, budget: int):
         yield group
 
 
+class PlainDecoder:
+    """Decode through the model's own path (the CPU decode stack, or op by op) on one cache:
+    what an engine without fixed-shape decode (graph_decode.GraphDecoder) calls."""
+
+    def __init__(self, model: Model, cache: KVCache):
+        self.model, self.cache = model, cache
+
+    def decode(self, slots: list[int], token_ids: torch.Tensor, positions: torch.Tensor):
+        """Feed one token per slot; return hidden states [len(slots), d_model]."""
+        return self.model.decode(self.cache, slots, token_ids, positions)
+
+
 class Engine:
     """Owns every tensor; knows nothing of requests, text or time limits."""
 
@@ -128,8 +141,13 @@ class Engine:
         self.cache = KVCache(
             self.cfg, slots, ctx, self.device, self.dtype, scratch_slot=fixed_shape
         )
-        if fixed_shape:  # captures its graphs now, before the server reports ready
-            self.model.graph_decoder = graph_decode_mod.GraphDecoder(self.model, self.cache)
+        # Decode goes one way for the engine's life, chosen here: a GraphDecoder captures its
+        # graphs now, before the server reports ready.
+        self.decoder: graph_decode_mod.GraphDecoder | PlainDecoder = (
+            graph_decode_mod.GraphDecoder(self.model, self.cache)
+            if fixed_shape
+            else PlainDecoder(self.model, self.cache)
+        )
         self.slots: list[_SlotState | None] = [None] * slots
         self.host_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # prompt cache
         self.pooled: dict[int, torch.Tensor] = {}  # embeddings: hidden-state sums so far
@@ -184,7 +202,7 @@ class Engine:
             slots = [d.slot for d in step.decodes]
             ids = torch.tensor([self._input(d) for d in step.decodes], device=self.device)
             positions = torch.tensor([d.position for d in step.decodes], device=self.device)
-            logits = self.model.logits(self.model.decode(self.cache, slots, ids, positions))
+            logits = self.model.logits(self.decoder.decode(slots, ids, positions))
             plain = [r for r, d in enumerate(step.decodes) if self.slots[d.slot].plain_greedy]
             rows = logits if len(plain) == len(step.decodes) else logits[plain]
             picks = dict(zip(plain, greedy(rows), strict=True)) if plain else {}

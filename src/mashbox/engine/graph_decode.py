@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .model import KVCache, Model
+from .kv_cache import KVCache
+from .model import Model
 
 log = logging.getLogger("mashbox")
 

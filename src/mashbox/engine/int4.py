@@ -1,5 +1,5 @@
-"""int4 decode weights loaded from a GGUF's own 4-bit blocks, never re-quantized (and, on
-mashbox's kernels, its Q8_0 blocks the same way: `Q8Weight`).
+"""int4 decode weights loaded from a GGUF's own 4-bit blocks, never re-quantized
+(`Int4Weight`; its Q8_0 blocks, the same way: q8_weight.py).
 
 A Q4_1 block is 32 weights w = q * d + m (q in 0..15, d and m fp16); a Q4_0 block is
 w = (q - 8) * d, that is m = -8 d. Two kernels read them:
@@ -97,6 +97,16 @@ class Int4Weight:
             self.scales_and_zeros = torch.stack([d.T, zero.T], dim=-1).to(dtype).contiguous()
 
     @property
+    def kind(self) -> str:
+        """The decode weights this is: "int4", "int4a16" or "int4a8", by its activations."""
+        return KIND_OF_ACTIVATIONS[self.activations]
+
+    @property
+    def activation_bits(self) -> int:
+        """What activations are rounded to per block of 32 before the multiply (32: not)."""
+        return ACTIVATION_BITS[self.activations]
+
+    @property
     def max_rows(self) -> int:
         """Rows up to which a call uses the int4 weights; more take the float path."""
         return Q4_MAX_ROWS[self.activations] if self.kernel is not None else INT4_MAX_ROWS
@@ -133,42 +143,3 @@ class Int4Weight:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, self.packed, GROUP, self.scales_and_zeros
         ).T
-
-
-def fits_q8(blocks: list[RawBlocks | None]) -> bool:
-    """Whether a matrix's parts are all Q8_0 blocks that mashbox's kernel can read."""
-    if any(b is None or b.qtype != Q.Q8_0 for b in blocks):
-        return False
-    rows = sum(b.data.shape[0] for b in blocks)
-    return rows % cpu_kernels.TILE == 0 and cpu_kernels.load() is not None
-
-
-class Q8Weight:
-    """A weight kept twice: float for prefill-sized batches, and the file's Q8_0 blocks
-    (w = q * d per block of 32, q int8, d fp16) as stored, for mashbox's kernel."""
-
-    def __init__(self, w: Tensor, blocks: list[RawBlocks]):
-        b = torch.cat([part.data for part in blocks])  # [N, K / 32, 34]
-        d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
-        q = b[..., 2:].contiguous().view(torch.int8).reshape(b.shape[0], -1)
-        if q.shape != w.shape:
-            raise ValueError(f"blocks of shape {tuple(q.shape)} for a weight {tuple(w.shape)}")
-        self.w = w
-        self.kernel = cpu_kernels.load()
-        self.qs, self.d = cpu_kernels.pack_q8(q, d)
-
-    max_rows = BLOCKS_MAX_ROWS  # rows up to which a call uses the Q8_0 blocks
-
-    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        if x.shape[0] > self.max_rows:
-            return F.linear(x, self.w, bias)
-        y = self.kernel.q8_linear(x.float().contiguous(), self.qs, self.d).to(x.dtype)
-        return y + bias if bias is not None else y
-
-    @property
-    def decode_tensors(self) -> tuple[Tensor, ...]:
-        return self.qs, self.d
-
-    def dequantized(self) -> Tensor:
-        """The weights the kernel multiplies by, float32 [N, K] (x = identity)."""
-        return self.kernel.q8_linear(torch.eye(self.w.shape[1]), self.qs, self.d).T

@@ -8,8 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import cpu_kernels, int4
+from . import cpu_kernels
 from .config import ModelConfig
+from .decode_weight import DecodeWeight, decode_weight_for, linear, most_compact_kind, nbytes
+from .int8_weight import INT8_MAX_ROWS
+from .kv_cache import KVCache
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -35,7 +38,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
-INT8_MAX_ROWS = 16  # up to this many rows (decode batches) use the int8 weights
 # CPU sgemm rounds a row differently depending on how many rows share the call (MKL on
 # AVX-512: M < 16 and 57..~200 at K = 1536 differ from M = 16), but never on where the row
 # sits or what the others hold when M is the same. Decision reads multiply in blocks of
@@ -44,54 +46,7 @@ INT8_MAX_ROWS = 16  # up to this many rows (decode batches) use the int8 weights
 GEMM_ROW_BLOCK = 64
 
 
-def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric int8 per output channel: (q [N, K] int8, scale [N] float32), w ~ q * scale."""
-    scale = w.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0
-    return torch.round(w.float() / scale[:, None]).to(torch.int8), scale.contiguous()
-
-
-class Int8Weight:
-    """A weight kept twice: float for prefill-sized batches, int8 per output channel for
-    decode, where reading the weights is the whole cost (4x fewer bytes)."""
-
-    def __init__(self, w: Tensor):
-        self.w = w
-        q, self.scale = quantize_int8(w)
-        self.kernel = cpu_kernels.load() if w.device.type == "cpu" else None
-        if self.kernel is not None:  # ours: the packed layout only
-            self.packed = cpu_kernels.pack_int8(q)
-        else:
-            self.q = q.contiguous()
-            self.scale_bf16 = self.scale.to(torch.bfloat16)
-
-    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        if x.shape[0] > INT8_MAX_ROWS:
-            return F.linear(x, self.w, bias)
-        if self.kernel is not None:  # ours: float32 activations, weights read once
-            y = self.kernel.int8_linear(x.float().contiguous(), self.packed, self.scale)
-        else:  # torch's wants bf16 activations (float32 ones take a scalar path)
-            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale_bf16)
-        y = y.to(x.dtype)
-        return y + bias if bias is not None else y
-
-    @property
-    def decode_tensors(self) -> tuple[Tensor, ...]:
-        return (self.packed if self.kernel is not None else self.q), self.scale
-
-
-def nbytes(w) -> int:
-    """Bytes a decode step reads of one weight: a tensor, or the `decode_tensors` of an
-    int8/int4/Q8_0 decode weight."""
-    parts = [w] if isinstance(w, Tensor) else w.decode_tensors
-    return sum(t.numel() * t.element_size() for t in parts)
-
-
-def linear(x: Tensor, w, bias: Tensor | None = None) -> Tensor:
-    """F.linear, or the decode path of an Int8Weight / Int4Weight."""
-    return F.linear(x, w, bias) if isinstance(w, Tensor) else w(x, bias)
-
-
-def linear_in_blocks(x: Tensor, w, bias: Tensor | None = None) -> Tensor:
+def linear_in_blocks(x: Tensor, w: Tensor | DecodeWeight, bias: Tensor | None = None) -> Tensor:
     """`linear` over blocks of exactly GEMM_ROW_BLOCK rows (the last one padded): every row
     is computed by a call of one shape, so its bits do not depend on the row count."""
     n = x.shape[0]
@@ -106,60 +61,6 @@ DECODE_MATRICES = {
     "w_gate_up": ("ffn_gate.weight", "ffn_up.weight"),
     "w_down": ("ffn_down.weight",),
 }
-
-
-def decode_weight(w: Tensor, blocks: list, kind: str):
-    """int4: the file's own 4-bit (or, on mashbox's kernels, Q8_0) blocks where every part
-    has them, int8 otherwise; int4a16 / int4a8: the same, the 4-bit blocks taking int16 /
-    int8 activations."""
-    if kind in int4.BLOCK_KINDS and int4.fits(blocks):
-        return int4.Int4Weight(w, blocks, activations=int4.BLOCK_KINDS[kind])
-    if kind in int4.BLOCK_KINDS and int4.fits_q8(blocks):
-        return int4.Q8Weight(w, blocks)
-    return Int8Weight(w)
-
-
-class KVCache:
-    """One whole context per slot: k/v are [layers, slots, kv_heads, ctx, head_dim].
-
-    With scratch_slot, one more slot follows the last (index `slots`), owned by no sequence:
-    fixed-shape decode (graph_decode) writes its padding rows there. It costs one slot's
-    memory (ctx * bytes_per_token; 1 GiB for an 8B model at ctx 8192)."""
-
-    def __init__(
-        self, cfg: ModelConfig, slots: int, ctx: int, device, dtype, *, scratch_slot=False
-    ):
-        self.slots, self.ctx = slots, ctx
-        self.scratch_slot = slots if scratch_slot else None
-        shape = (cfg.n_layers, slots + bool(scratch_slot), cfg.n_kv_heads, ctx, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-
-    @property
-    def nbytes(self) -> int:
-        """Memory the cache holds, the scratch slot included."""
-        return 2 * self.k.numel() * self.k.element_size()
-
-    @property
-    def bytes_per_token(self) -> int:
-        layers, _, heads, _, dim = self.k.shape
-        return 2 * layers * heads * dim * self.k.element_size()
-
-    def copy_out(self, slot: int, n: int) -> tuple[Tensor, Tensor]:
-        """The first n positions of a slot, copied to host memory."""
-        k, v = self.k[:, slot, :, :n], self.v[:, slot, :, :n]
-        return k.to("cpu", copy=True), v.to("cpu", copy=True)
-
-    def copy_in(self, slot: int, saved: tuple[Tensor, Tensor], n: int) -> None:
-        """Put the first n positions of a saved prefix back into a slot."""
-        k, v = saved
-        self.k[:, slot, :, :n].copy_(k[:, :, :n])
-        self.v[:, slot, :, :n].copy_(v[:, :, :n])
-
-    def copy_prefix(self, source: int, slot: int, n: int) -> None:
-        """Copy the first n positions of one slot into another, on the device."""
-        self.k[:, slot, :, :n].copy_(self.k[:, source, :, :n])
-        self.v[:, slot, :, :n].copy_(self.v[:, source, :, :n])
 
 
 class Model:
@@ -218,20 +119,19 @@ class Model:
                 }
             )
         self.cos, self.sin = rope_tables(cfg, max(n_positions, cfg.max_context), self.device)
-        self.graph_decoder = None  # a graph_decode.GraphDecoder, where the engine set one
         if decode_weights != "float":
             blocks = blocks or {}
             for i, layer in enumerate(self.layers):
                 for name, parts in DECODE_MATRICES.items():
                     parts_blocks = [blocks.get(f"blk.{i}.{part}") for part in parts]
-                    layer[name] = decode_weight(layer[name], parts_blocks, decode_weights)
+                    layer[name] = decode_weight_for(layer[name], parts_blocks, decode_weights)
             head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-            self.lm_head = decode_weight(self.lm_head, [blocks.get(head)], decode_weights)
+            self.lm_head = decode_weight_for(self.lm_head, [blocks.get(head)], decode_weights)
         self.decode_stack = self._decode_stack()
 
     def _decode_stack(self):
         """The whole decode step as one call into the CPU kernels, where every layer matrix
-        is int8 or int4 on mashbox's kernels and activations are float32; None otherwise."""
+        is a decode weight on mashbox's kernels and activations are float32; None otherwise."""
         cfg, mats = self.cfg, ("wqkv", "wo", "w_gate_up", "w_down")
         usable = (
             self.device.type == "cpu"
@@ -240,15 +140,15 @@ class Model:
             and cfg.head_dim % 8 == 0
             and cfg.d_ff % 8 == 0
             and all(
-                isinstance(w[m], (Int8Weight, int4.Int4Weight, int4.Q8Weight)) and w[m].kernel
+                isinstance(w[m], DecodeWeight) and w[m].kernel is not None
                 for w in self.layers
                 for m in mats
             )
         )
         if not usable:
             return None
-        int4_weights = [w for w in self.layers[0].values() if isinstance(w, int4.Int4Weight)]
-        bits = int4.ACTIVATION_BITS[int4_weights[0].activations] if int4_weights else 32
+        # What the 4-bit matrices multiply (the others take float32 whatever this says).
+        bits = min(self.layers[0][m].activation_bits for m in mats)
         absent = torch.empty(0)
         layers = [
             [w["attn_norm"], *w["wqkv"].decode_tensors]
@@ -267,15 +167,7 @@ class Model:
         """What decode steps read, the most compact first: "int4" (or "int4a16", "int4a8",
         by what they multiply) if any layer matrix is the file's own 4-bit blocks, "q8_0" if
         any is its Q8_0 blocks (the rest int8 in all), "int8", or "float"."""
-        weights = [w for layer in self.layers for w in layer.values()]
-        int4_weights = [w for w in weights if isinstance(w, int4.Int4Weight)]
-        if int4_weights:  # one kind for the whole model
-            return int4.KIND_OF_ACTIVATIONS[int4_weights[0].activations]
-        kinds = {type(w) for w in weights}
-        for cls, name in ((int4.Q8Weight, "q8_0"), (Int8Weight, "int8")):
-            if cls in kinds:
-                return name
-        return "float"
+        return most_compact_kind(w for layer in self.layers for w in layer.values())
 
     @property
     def decode_nbytes(self) -> int:
@@ -363,8 +255,6 @@ class Model:
 
     def decode(self, cache: KVCache, slots: list[int], token_ids: Tensor, positions: Tensor):
         """Feed one token per slot (a batch); return hidden states [len(slots), d_model]."""
-        if self.graph_decoder is not None and cache is self.graph_decoder.cache:
-            return self.graph_decoder.decode(slots, token_ids, positions)
         slot_index = torch.tensor(slots, device=self.device)
         if self.decode_stack is not None and len(slots) <= INT8_MAX_ROWS:
             x = F.embedding(token_ids, self.embed)

@@ -1,0 +1,73 @@
+"""What every decode weight offers (`DecodeWeight`), whatever it stores: int8 per channel
+(int8_weight.py), a GGUF's own 4-bit blocks (int4.py) or Q8_0 blocks (q8_weight.py); which
+one a matrix gets (`decode_weight_for`); and the helpers that take a matrix either as a float
+tensor or as a decode weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import int4
+from .int8_weight import Int8Weight
+from .q8_weight import Q8Weight, fits_q8
+from .weights import RawBlocks
+
+
+@runtime_checkable
+class DecodeWeight(Protocol):
+    """A matrix kept twice: float for prefill-sized batches, and a compact form for decode
+    steps, where reading the weights is the whole cost."""
+
+    w: Tensor  # the float weights [N, K]: what calls of more than `max_rows` rows multiply
+    kernel: object | None  # mashbox's CPU kernels where this weight runs on them, else None
+    max_rows: int  # rows up to which a call reads the compact form
+    kind: str  # "int8", "q8_0", "int4", "int4a16" or "int4a8": what Engine reports
+    activation_bits: int  # what activations are rounded to per block of 32 (32: not rounded)
+
+    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x @ w.T (+ bias), for x [rows, K]."""
+        ...
+
+    @property
+    def decode_tensors(self) -> tuple[Tensor, ...]:
+        """What a decode step reads, as the kernels take it (DecodeStack reads these too)."""
+        ...
+
+
+def decode_weight_for(w: Tensor, blocks: list[RawBlocks | None], kind: str) -> DecodeWeight:
+    """int4: the file's own 4-bit (or, on mashbox's kernels, Q8_0) blocks where every part
+    has them, int8 otherwise; int4a16 / int4a8: the same, the 4-bit blocks taking int16 /
+    int8 activations."""
+    if kind in int4.BLOCK_KINDS and int4.fits(blocks):
+        return int4.Int4Weight(w, blocks, activations=int4.BLOCK_KINDS[kind])
+    if kind in int4.BLOCK_KINDS and fits_q8(blocks):
+        return Q8Weight(w, blocks)
+    return Int8Weight(w)
+
+
+# How compact each kind is, the smallest first (a model's 4-bit matrices share one kind).
+COMPACTNESS = {**dict.fromkeys(int4.BLOCK_KINDS, 0), "q8_0": 1, "int8": 2}
+
+
+def most_compact_kind(weights: Iterable) -> str:
+    """The most compact kind among the decode weights in `weights` (the first such where
+    several tie), or "float" if there are none."""
+    kinds = (w.kind for w in weights if isinstance(w, DecodeWeight))
+    return min(kinds, key=COMPACTNESS.__getitem__, default="float")
+
+
+def nbytes(w: Tensor | DecodeWeight) -> int:
+    """Bytes a decode step reads of one weight: a tensor, or a decode weight's
+    `decode_tensors`."""
+    parts = [w] if isinstance(w, Tensor) else w.decode_tensors
+    return sum(t.numel() * t.element_size() for t in parts)
+
+
+def linear(x: Tensor, w: Tensor | DecodeWeight, bias: Tensor | None = None) -> Tensor:
+    """F.linear for a float tensor, the decode weight's own call otherwise."""
+    return F.linear(x, w, bias) if isinstance(w, Tensor) else w(x, bias)
