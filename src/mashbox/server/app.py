@@ -10,7 +10,6 @@ from quart import Response, g, has_request_context, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from .. import __version__
 from . import (
     anthropic_api,
     chat_ws,
@@ -20,6 +19,7 @@ from . import (
     openai_completions,
     openapi,
     responses_api,
+    status,
     systemone_api,
 )
 from . import ui as chat_ui
@@ -39,57 +39,6 @@ def _json(body, status: int = 200, headers=None) -> Response:
     for key, value in (headers or {}).items():
         response.headers[key] = value
     return response
-
-
-def health_body(state: ServerState) -> dict:
-    """The `Health` document."""
-    stats = state.scheduler.stats() if state.scheduler else None
-    held, cap, evictions = state.scheduler.cache_stats() if state.scheduler else (0, 0, 0)
-    ids = state.identity
-    return {
-        "status": "ok" if state.ready else "loading",
-        "live_rows": stats.running if stats else None,
-        "waiting": stats.waiting if stats else 0,
-        # Every saved prefix is one host copy; there are no separate snapshots.
-        "cache_bytes": held,
-        "host_cache_bytes": held,
-        "snapshot_bytes": 0,
-        "host_cache_cap_bytes": cap,
-        "host_cache_evictions": evictions,
-        "cache_namespace": ids.cache_namespace if ids else None,
-        "deployment_id": ids.deployment_id if ids else None,
-        "component_set_sha": ids.component_set_sha if ids else None,
-        "certification": "not_certified",  # no certification gate exists
-        # Kernels are built (or loaded) before the engine reports ready; anything compiled
-        # later would stall a step. Null before ready.
-        "compiles_after_ready": state.supervisor.compiles_after_ready if state.ready else None,
-        "routed_experts": None,  # every supported architecture is dense
-        "decode": state.info.decode if state.info else None,
-        "kernels_fallback": state.info.kernels_fallback or None if state.info else None,
-        "worker_pid": state.supervisor.pid if state.supervisor else None,
-        "worker_restarts": state.supervisor.restarts if state.supervisor else 0,
-    }
-
-
-def model_card(state: ServerState) -> dict:
-    info = state.info
-    return {
-        "id": state.model_id,
-        "object": "model",
-        "owned_by": "mashbox-labs",
-        "created": 0,
-        "max_model_len": state.ctx,
-        "weights": state.weights_name,
-        "gb": round(info.n_params * (2 if info.dtype == "bfloat16" else 4) / 1e9, 3) if info else 0,
-        "bpw": info.bits_per_weight if info else 0,
-        "decode_gb": round(info.decode_bytes / 1e9, 6) if info else 0,
-        "decode_weights": info.decode_weights if info else None,
-        "decode_kernels": info.kernels or None if info else None,
-        "kernels_fallback": info.kernels_fallback or None if info else None,
-        "prefix_cache": True,
-        "slots": state.slots,
-        "cache_ram_mib": state.scheduler.prompt_cache.cap_bytes // 2**20 if state.scheduler else 0,
-    }
 
 
 async def _json_body():
@@ -142,7 +91,7 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
         return _json(error.body(), error.status)
 
     async def health():
-        body = health_body(state)
+        body = status.health(state)
         if not state.guard.authenticated(request.headers):
             body = {"status": body["status"]}  # a probe learns whether it is up, not how busy
         return _json(body, 200 if state.ready else 503)
@@ -173,33 +122,14 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
     @app.get("/v1/models")
     async def list_models():
         if "anthropic-version" in request.headers:  # the Anthropic model-list shape
-            entry = {
-                "type": "model",
-                "id": state.model_id,
-                "display_name": state.model_id,
-                "created_at": "1970-01-01T00:00:00Z",
-            }
-            return _json(
-                {
-                    "data": [entry],
-                    "has_more": False,
-                    "first_id": entry["id"],
-                    "last_id": entry["id"],
-                }
-            )
-        return _json(
-            {
-                "object": "list",
-                "data": [model_card(state)],
-                "models": systemone_api.model_entries(state),  # seed 004's shape
-            }
-        )
+            return _json(status.anthropic_model_list(state))
+        return _json(status.model_list(state))
 
     @app.get("/v1/models/<path:model>")
     async def get_model(model: str):
         if model != state.model_id:
             raise ApiError(404, f"model '{model}' is not served here", code="model_not_found")
-        return _json(model_card(state))
+        return _json(status.model_card(state))
 
     def generation(route: str, parse: driver.Parse):
         """A generation route's view: the driver runs the protocol's codec."""
@@ -235,32 +165,11 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
     @app.get("/v1/capabilities")
     async def capabilities():
         """The routes this server registers, read from its own routing table."""
-        routes = sorted(
-            {
-                (method, rule.rule.replace("<path:", "{").replace("<", "{").replace(">", "}"))
-                for rule in app.url_map.iter_rules()
-                if rule.endpoint != "static"
-                for method in rule.methods
-                if method != "OPTIONS"
-            },
-            key=lambda r: (r[1], r[0]),
-        )
-        return _json(
-            {
-                "app": "mashbox",
-                "version": __version__,
-                "routes": [{"method": m, "path": p} for m, p in routes],
-            }
-        )
+        return _json(status.capabilities(app.url_map))
 
     @app.get("/v1/status")
-    async def status():
-        # Seed 001's enum names LocalEngine's runtimes: mashbox runs GGUF files as its llama
-        # runtime does, and its clients accept nothing else.
-        body = {"runtime": "localengine-llama", "ready": state.ready, "local_api": "running"}
-        if state.model_id:
-            body["active_model"] = state.model_id
-        return _json(body)
+    async def local_status():
+        return _json(status.local_status(state))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens():

@@ -1,0 +1,105 @@
+"""The documents that say what this server is and how it is doing: health, the model list
+(OpenAI's, Anthropic's and seed 004's shapes), one model's card, the routes it serves, and
+seed 001's status. Read from the server's state at the moment they are asked for."""
+
+from __future__ import annotations
+
+from .. import __version__
+from .state import ServerState
+from .systemone_api import model_entries
+
+
+def health(state: ServerState) -> dict:
+    """The `Health` document."""
+    stats = state.scheduler.stats() if state.scheduler else None
+    held, cap, evictions = state.scheduler.cache_stats() if state.scheduler else (0, 0, 0)
+    ids = state.identity
+    return {
+        "status": "ok" if state.ready else "loading",
+        "live_rows": stats.running if stats else None,
+        "waiting": stats.waiting if stats else 0,
+        # Every saved prefix is one host copy; there are no separate snapshots.
+        "cache_bytes": held,
+        "host_cache_bytes": held,
+        "snapshot_bytes": 0,
+        "host_cache_cap_bytes": cap,
+        "host_cache_evictions": evictions,
+        "cache_namespace": ids.cache_namespace if ids else None,
+        "deployment_id": ids.deployment_id if ids else None,
+        "component_set_sha": ids.component_set_sha if ids else None,
+        "certification": "not_certified",  # no certification gate exists
+        # Kernels are built (or loaded) before the engine reports ready; anything compiled
+        # later would stall a step. Null before ready.
+        "compiles_after_ready": state.supervisor.compiles_after_ready if state.ready else None,
+        "routed_experts": None,  # every supported architecture is dense
+        "decode": state.info.decode if state.info else None,
+        "kernels_fallback": state.info.kernels_fallback or None if state.info else None,
+        "worker_pid": state.supervisor.pid if state.supervisor else None,
+        "worker_restarts": state.supervisor.restarts if state.supervisor else 0,
+    }
+
+
+def model_card(state: ServerState) -> dict:
+    """OpenAI's model object, with what a client may want to know of this one."""
+    info = state.info
+    return {
+        "id": state.model_id,
+        "object": "model",
+        "owned_by": "mashbox-labs",
+        "created": 0,
+        "max_model_len": state.ctx,
+        "weights": state.weights_name,
+        "gb": round(info.n_params * (2 if info.dtype == "bfloat16" else 4) / 1e9, 3) if info else 0,
+        "bpw": info.bits_per_weight if info else 0,
+        "decode_gb": round(info.decode_bytes / 1e9, 6) if info else 0,
+        "decode_weights": info.decode_weights if info else None,
+        "decode_kernels": info.kernels or None if info else None,
+        "kernels_fallback": info.kernels_fallback or None if info else None,
+        "prefix_cache": True,
+        "slots": state.slots,
+        "cache_ram_mib": state.scheduler.prompt_cache.cap_bytes // 2**20 if state.scheduler else 0,
+    }
+
+
+def model_list(state: ServerState) -> dict:
+    """OpenAI's list, with seed 004's `models` beside `data`."""
+    return {"object": "list", "data": [model_card(state)], "models": model_entries(state)}
+
+
+def anthropic_model_list(state: ServerState) -> dict:
+    """Anthropic's list shape (asked for with an anthropic-version header)."""
+    entry = {
+        "type": "model",
+        "id": state.model_id,
+        "display_name": state.model_id,
+        "created_at": "1970-01-01T00:00:00Z",
+    }
+    return {"data": [entry], "has_more": False, "first_id": entry["id"], "last_id": entry["id"]}
+
+
+def capabilities(url_map) -> dict:
+    """The routes this server registers, read from its own routing table."""
+    routes = sorted(
+        {
+            (method, rule.rule.replace("<path:", "{").replace("<", "{").replace(">", "}"))
+            for rule in url_map.iter_rules()
+            if rule.endpoint != "static"
+            for method in rule.methods
+            if method != "OPTIONS"
+        },
+        key=lambda r: (r[1], r[0]),
+    )
+    return {
+        "app": "mashbox",
+        "version": __version__,
+        "routes": [{"method": m, "path": p} for m, p in routes],
+    }
+
+
+def local_status(state: ServerState) -> dict:
+    """Seed 001's Status. Its enum names LocalEngine's runtimes: mashbox runs GGUF files as
+    its llama runtime does, and its clients accept nothing else."""
+    body = {"runtime": "localengine-llama", "ready": state.ready, "local_api": "running"}
+    if state.model_id:
+        body["active_model"] = state.model_id
+    return body
