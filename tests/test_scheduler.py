@@ -20,12 +20,13 @@ from mashbox.prompt_cache import common_prefix
 from mashbox.protocol import PREVIOUS, Admit, Decode, Prefill, SamplingParams, Step
 from mashbox.scheduler import Scheduler
 from mashbox.text.tokenizer import Tokenizer
+from mashbox.worker_client import EngineLink
 
 from tinymodels import step_by_step
 
 
-class InProcessEngine:
-    """The Supervisor's interface over an engine running in this process."""
+class InProcessEngine(EngineLink):
+    """The engine link (the Supervisor's part) over an engine running in this process."""
 
     ready = True
 
@@ -51,6 +52,9 @@ class InProcessEngine:
         self.ran.append(step)
         await trio.sleep(self.step_delay)  # the step runs
         return attrs.evolve(self.engine.step(step), joined=joined)
+
+    async def restart(self):
+        self.sent.clear()  # as a new worker's pipe: what the faulted engine was sent never runs
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,11 @@
-"""The server's side of the engine worker process: start it, step it, restart it."""
+"""The server's side of the engine worker process: start it, step it, restart it; and
+`EngineLink`, what the scheduler asks of any engine it steps."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+from typing import Protocol
 
 import trio
 
@@ -17,6 +19,26 @@ class WorkerError(Exception):
 
 class StepTimeout(WorkerError):
     """A step took longer than the step timeout: the engine counts as hung."""
+
+
+class EngineLink(Protocol):
+    """What the scheduler needs of an engine: steps in, their results out in the order sent,
+    and a fresh engine after a fault. `Supervisor` is the server's (a worker process); the
+    tests step an engine in their own process."""
+
+    ready: bool  # it takes steps (not while loading or restarting)
+
+    def send(self, step: Step) -> None:
+        """Queue a step without waiting for it to run; steps run in the order sent."""
+        ...
+
+    async def receive(self) -> StepResult:
+        """The oldest sent step's result; WorkerError if the engine failed it (or hung)."""
+        ...
+
+    async def restart(self) -> None:
+        """A new engine after a WorkerError: no step sent before runs, every cache is empty."""
+        ...
 
 
 class WorkerProcess:
@@ -96,7 +118,7 @@ class WorkerProcess:
 log = logging.getLogger("mashbox")
 
 
-class Supervisor:
+class Supervisor(EngineLink):
     """Keeps one engine process running: a fault or a step past its deadline gets a fresh one.
 
     The scheduler is its only caller: `receive` raises WorkerError, then the scheduler decides

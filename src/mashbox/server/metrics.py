@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from ..events import Finished
-from ..scheduler import Observer
+from ..observer import Observer
 
 if TYPE_CHECKING:
     from .state import ServerState

@@ -1,0 +1,260 @@
+"""The scheduler's batch core alone: steps planned, made-up results applied (no engine, no
+trio). What each result means for each request, step by step."""
+
+from __future__ import annotations
+
+import pytest
+
+from mashbox.batch import MAX_JOIN_TOKENS, Batch
+from mashbox.events import Admitted, Failed, Finished, Request, Restarted, TextDelta
+from mashbox.observer import Observer
+from mashbox.protocol import PREVIOUS, Admit, Decode, Prefill, SamplingParams, Step, StepResult
+from mashbox.sequence import Sequence
+from mashbox.text.tokenizer import Tokenizer
+
+PARIS = "The capital of France is Paris."
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama) -> Tokenizer:
+    return Tokenizer.from_gguf(tiny_llama)
+
+
+class Steps(Observer):
+    """Records what each applied step generated."""
+
+    def __init__(self):
+        self.generated: list[int] = []
+
+    def stepped(self, prompt_tokens, generated_tokens, forwards=0, engine_s=0.0):
+        self.generated.append(generated_tokens)
+
+
+def queue(batch: Batch, prompt, max_tokens=50, **kw) -> Sequence:
+    """A request submitted as the scheduler does, without a channel (the core never uses it)."""
+    request = Request(tuple(prompt), SamplingParams(), max_tokens, **kw)
+    seq = Sequence.new(request, batch.tokenizer, None)
+    batch.waiting.append(seq)
+    return seq
+
+
+def send(batch: Batch, step: Step | None, *, ahead: bool = False) -> Step:
+    assert step is not None
+    batch.track(step, ahead=ahead)
+    return step
+
+
+def result(batch: Batch, tokens: dict[int, int] | None = None, *, joined: bool = False) -> None:
+    """The oldest step in flight comes back, having sampled `tokens` (slot -> token)."""
+    done = StepResult(tokens or {}, 0.001, joined=joined)
+    batch.apply(batch.landed(done), done)
+
+
+def texts(seq: Sequence) -> str:
+    return "".join(e.text for e in seq.outbox if isinstance(e, TextDelta))
+
+
+def started(batch: Batch, prompt, first: int, **kw) -> Sequence:
+    """A request admitted, its whole prompt prefilled and `first` sampled after it."""
+    seq = queue(batch, prompt, **kw)
+    batch.admit()
+    send(batch, batch.plan())
+    result(batch, {seq.slot.index: first})
+    assert seq.decoding and seq.output_ids == [first]
+    return seq
+
+
+def test_an_admitted_prompt_is_prefilled_a_chunk_a_step_and_its_last_chunk_samples(tok):
+    batch = Batch(tok, slots=2, ctx=64, prefill_chunk=4)
+    prompt = tok.encode(PARIS * 2)
+    assert len(prompt) > 8
+    seq = queue(batch, prompt)
+    assert batch.plan() is None  # waiting has no slot yet: nothing to run
+    assert batch.admit() == [seq]
+    assert list(seq.outbox) == [Admitted(0)] and seq.slot is batch.slots[0]
+    assert not batch.waiting and batch.stats().running == 1
+    first = send(batch, batch.plan())
+    assert first.admits == (Admit(0, seq.request.params, tuple(prompt)),)
+    assert first.prefills == (Prefill(0, 0, tuple(prompt[:4]), False),)
+    result(batch)
+    assert seq.prefilled == 4 and batch.slots[0].tokens == prompt[:4]
+    starts = []
+    while not seq.decoding:
+        step = send(batch, batch.plan())
+        assert not step.admits and len(step.prefills) == 1
+        (p,) = step.prefills
+        starts.append(p.start)
+        assert len(p.token_ids) <= 4 and p.sample == (p.start + len(p.token_ids) == len(prompt))
+        result(batch, {0: prompt[0]} if p.sample else {})
+    assert starts == list(range(4, len(prompt), 4))
+    assert seq.output_ids == [prompt[0]] and batch.slots[0].tokens == prompt
+
+
+def test_a_sampled_token_becomes_text_and_max_tokens_ends_by_length(tok):
+    batch = Batch(tok, slots=1, ctx=64)
+    answer = tok.encode("Paris is the capital of France")
+    seq = started(batch, tok.encode(PARIS), answer[0], max_tokens=3)
+    assert texts(seq) == " Paris"
+    for token in answer[1:3]:
+        step = send(batch, batch.plan())
+        assert step.decodes == (Decode(0, seq.output_ids[-1], len(batch.slots[0].tokens)),)
+        result(batch, {0: token})
+    assert seq.output_ids == answer[:3]
+    assert texts(seq) == " Paris is the"
+    done = seq.outbox[-1]
+    assert isinstance(done, Finished) and done.reason == "length"
+    assert done.usage.completion_tokens == 3 and done.usage.prompt_tokens == len(tok.encode(PARIS))
+    assert seq.done and seq in batch.draining
+    assert seq.slot is None and batch.slots[0].seq is None and batch.plan() is None
+
+
+def test_the_context_end_ends_by_length(tok):
+    prompt = tok.encode(PARIS)
+    batch = Batch(tok, slots=1, ctx=len(prompt) + 2)
+    seq = started(batch, prompt, prompt[0], max_tokens=50)
+    send(batch, batch.plan())
+    result(batch, {0: prompt[1]})
+    assert isinstance(seq.outbox[-1], Finished) and seq.outbox[-1].reason == "length"
+    assert len(seq.output_ids) == 2
+
+
+def test_an_end_of_generation_token_ends_by_stop_without_text(tok):
+    eog = min(tok.eog_ids)
+    batch = Batch(tok, slots=1, ctx=64)
+    seq = started(batch, tok.encode(PARIS), tok.encode("Paris")[0])
+    send(batch, batch.plan())
+    result(batch, {0: eog})
+    events = list(seq.outbox)
+    assert isinstance(events[-1], Finished) and events[-1].reason == "stop"
+    assert events[-1].usage.completion_tokens == 2
+    assert texts(seq) == " Paris"  # the end of turn has no text
+    # Unless the request ignores it (benchmarks): then it is one more token.
+    other = Batch(tok, slots=1, ctx=64)
+    seq = started(other, tok.encode(PARIS), eog, ignore_eos=True)
+    assert not seq.done
+
+
+def test_a_stop_string_ends_by_stop_and_holds_back_its_text(tok):
+    batch = Batch(tok, slots=1, ctx=64)
+    answer = tok.encode("Paris is the capital")
+    seq = started(batch, tok.encode(PARIS), answer[0], stop=("the",))
+    for token in answer[1:]:
+        if seq.done:
+            break
+        send(batch, batch.plan())
+        result(batch, {0: token})
+    done = seq.outbox[-1]
+    assert isinstance(done, Finished) and done.reason == "stop" and done.stop_sequence == "the"
+    assert texts(seq) == " Paris is "
+
+
+def test_decodes_planned_ahead_feed_back_the_previous_sample(tok):
+    batch = Batch(tok, slots=1, ctx=64)
+    prompt = tok.encode(PARIS)
+    answer = tok.encode("Paris is the capital")
+    seq = started(batch, prompt, answer[0], max_tokens=4)
+    assert not batch.needs_latest_state()
+    n = len(prompt)
+    assert send(batch, batch.plan()).decodes == (Decode(0, answer[0], n),)
+    ahead = send(batch, batch.plan_ahead(), ahead=True)
+    assert ahead.decodes == (Decode(0, PREVIOUS, n + 1),)  # its token is still being sampled
+    assert seq.pending == 2
+    result(batch, {0: answer[1]})
+    assert seq.pending == 1
+    # Three tokens known or sampling, max_tokens 4: the next one may still be asked for.
+    assert send(batch, batch.plan_ahead(), ahead=True).decodes == (Decode(0, PREVIOUS, n + 2),)
+    result(batch, {0: answer[2]})
+    # The token the engine fed back is known now, and is what the slot holds.
+    assert batch.slots[0].tokens == [*prompt, answer[0], answer[1]]
+    # Four tokens known or sampling: nothing is planned past max_tokens.
+    assert batch.plan_ahead() is None
+    result(batch, {0: answer[3]})
+    assert seq.output_ids == answer[:4] and seq.pending == 0
+    assert isinstance(seq.outbox[-1], Finished) and seq.outbox[-1].reason == "length"
+
+
+def test_a_row_for_a_slot_freed_while_it_ran_is_wasted_and_ignored(tok):
+    steps = Steps()
+    batch = Batch(tok, slots=1, ctx=64, observer=steps)
+    prompt = tok.encode(PARIS)
+    seq = started(batch, prompt, tok.encode("Paris")[0])
+    send(batch, batch.plan())
+    send(batch, batch.plan_ahead(), ahead=True)
+    result(batch, {0: min(tok.eog_ids)})  # the end of turn: the row after it is wasted
+    assert seq.done and batch.slots[0].seq is None
+    # The freed slot goes to the next request before the wasted row's result is in.
+    later = queue(batch, tok.encode("Hello, world!"))
+    batch.admit()
+    assert later.slot is batch.slots[0]
+    held = list(batch.slots[0].tokens)
+    result(batch, {0: 42})
+    assert seq.output_ids == [tok.encode("Paris")[0], min(tok.eog_ids)]
+    assert seq.pending == 0 and not later.output_ids and batch.slots[0].tokens == held
+    assert steps.generated[-1] == 0
+    assert isinstance(seq.outbox[-1], Finished) and list(later.outbox) == [Admitted(later.cached)]
+
+
+def test_a_request_that_arrives_while_a_step_is_queued_joins_it(tok):
+    batch = Batch(tok, slots=2, ctx=64)
+    first = started(batch, tok.encode(PARIS), tok.encode("Paris")[0])
+    send(batch, batch.plan())
+    later = queue(batch, tok.encode("Hello, world!"))
+    assert batch.plan_join() is None  # no step queued behind the running one
+    queued = send(batch, batch.plan_ahead(), ahead=True)
+    join = send(batch, batch.plan_join())
+    assert join.joins == queued.index and later.slot is batch.slots[1]
+    assert [a.slot for a in join.admits] == [1] and not join.decodes
+    assert join.prefills == (Prefill(1, 0, later.request.prompt_ids, True),)
+    result(batch, {0: 300})
+    result(batch, {0: 301, 1: 302}, joined=True)  # the engine ran the join inside its step
+    assert not batch.in_flight
+    assert first.output_ids[-2:] == [300, 301] and later.output_ids == [302]
+    assert first.pending == later.pending == 0
+
+
+def test_a_prompt_too_long_to_join_waits_for_a_step_planned_on_the_latest_state(tok):
+    batch = Batch(tok, slots=2, ctx=2 * MAX_JOIN_TOKENS)
+    started(batch, tok.encode(PARIS), tok.encode("Paris")[0])
+    send(batch, batch.plan())
+    send(batch, batch.plan_ahead(), ahead=True)
+    long = queue(batch, tok.encode(PARIS) * (MAX_JOIN_TOKENS // 7 + 1))
+    assert batch.plan_join() is None and list(batch.waiting) == [long]
+
+
+def test_a_fault_runs_requests_again_once_and_fails_the_one_that_caused_it(tok):
+    batch = Batch(tok, slots=2, ctx=64, prefill_chunk=64)
+    steady = started(batch, tok.encode(PARIS), tok.encode("Paris")[0])
+    assert texts(steady) == " Paris"
+    newcomer = queue(batch, tok.encode("Hello, world!"))
+    batch.admit()
+    send(batch, batch.plan())  # the steady decode, and the newcomer's first work: lost
+    batch.on_fault(hung=False, unseen=lambda seq: True)
+    assert not batch.in_flight and all(not s.tokens and s.seq is None for s in batch.slots)
+    # Only the newcomer's new work was there beside a decode that ran fine before: its fault.
+    failed = newcomer.outbox[-1]
+    assert failed == Failed("the request faulted the engine and is not run again", status=500)
+    assert newcomer.done and newcomer in batch.draining
+    # The other runs again from the start; its handler drops the text it had.
+    assert list(batch.waiting) == [steady] and steady.retried
+    assert list(steady.outbox) == [Restarted()]
+    assert not steady.output_ids and steady.prefilled == 0 and not steady.admitted
+    batch.admit()
+    step = send(batch, batch.plan())
+    assert step.prefills == (Prefill(steady.slot.index, 0, steady.request.prompt_ids, True),)
+    # A second fault: its one run again is spent. A hung engine is a 504.
+    batch.on_fault(hung=True, unseen=lambda seq: True)
+    assert steady.outbox[-1] == Failed("the request timed out on the device", status=504)
+    assert not batch.waiting
+
+
+def test_a_stream_runs_again_only_if_its_client_has_seen_nothing(tok):
+    batch = Batch(tok, slots=2, ctx=64)
+    seen = queue(batch, tok.encode(PARIS), stream=True)
+    unseen = queue(batch, tok.encode("Hello, world!"), stream=True)
+    batch.admit()
+    send(batch, batch.plan())
+    result(batch, {0: tok.encode("Paris")[0], 1: tok.encode("Paris")[0]})
+    send(batch, batch.plan())  # decodes only: nobody's new work, nobody to blame
+    batch.on_fault(hung=False, unseen=lambda seq: seq is unseen)
+    assert seen.outbox[-1] == Failed("the request failed on the device", status=500)
+    assert list(batch.waiting) == [unseen] and list(unseen.outbox) == [Restarted()]
