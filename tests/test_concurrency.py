@@ -168,7 +168,7 @@ def test_a_reader_that_stops_is_cut_at_30_s_with_default_buffers(stall_server):
     assert t_full - t0 < 5, f"the client's kernel took bytes for {t_full - t0:.1f} s"
     stalled = t_cut - t_full
     assert 28 <= stalled <= 32, f"cut {stalled:.1f} s after the client's kernel was full"
-    assert any("took nothing for 30 s" in line for line in stall_server.lines)
+    assert any("client took nothing for 30." in line for line in stall_server.lines)
     _, closed = rawhttp.read_to_eof(sock, timeout=5)  # queued events, then the reset
     assert closed
     sock.close()

@@ -73,7 +73,7 @@ async def watch(sock, timeout: float) -> bool:
         if acked != last_acked or not waiting:
             last_acked, since = acked, now
         elif now - since >= timeout:
-            log.info("cut a connection whose client took nothing for %.0f s", now - since)
+            log.info("cut a connection whose client took nothing for %.1f s", now - since)
             cut(sock)
             return True
 
