@@ -72,7 +72,7 @@ def test_an_admitted_prompt_is_prefilled_a_chunk_a_step_and_its_last_chunk_sampl
     assert batch.plan() is None  # waiting has no slot yet: nothing to run
     assert batch.admit() == [seq]
     assert list(seq.outbox) == [Admitted(0)] and seq.slot is batch.slots[0]
-    assert not batch.waiting and batch.stats().running == 1
+    assert not batch.waiting and batch.statistics().running == 1
     first = send(batch, batch.plan())
     assert first.admits == (Admit(0, seq.request.params, tuple(prompt)),)
     assert first.prefills == (Prefill(0, 0, tuple(prompt[:4]), False),)

@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from mashbox.prompt_cache import DEFAULT_CACHE_RAM_MIB
 from mashbox.protocol import EngineInfo
 from mashbox.server.app import create_app
-from mashbox.server.state import ServerState, model_identity, weights_sha
+from mashbox.server.identity import model_identity, weights_sha
+from mashbox.server.state import ServerState
 
 MODEL = "tiny-llama.gguf"
 COUNTERS = [

@@ -77,7 +77,7 @@ async def test_a_reader_that_takes_nothing_is_dropped_after_the_stall_timeout(pa
         t0 = trio.current_time()
         while not seq.output_ids:
             await trio.sleep(0.01)
-        while scheduler.stats().running:
+        while scheduler.statistics().running:
             await trio.sleep(0.02)
         elapsed = trio.current_time() - t0
         steps = worker.steps
@@ -119,10 +119,10 @@ async def test_cancel_frees_the_slot_before_the_next_step(parts):
         seq, events = scheduler.submit(request(tok, ignore_eos=True))
         await events.receive()
         queued, _ = scheduler.submit(request(tok, "Another one", max_tokens=2))
-        assert scheduler.stats().waiting == 1
+        assert scheduler.statistics().waiting == 1
         scheduler.cancel(seq)
         steps = worker.steps
-        while scheduler.stats().waiting:
+        while scheduler.statistics().waiting:
             await trio.sleep(0)
         assert worker.steps <= steps + 1  # the queued request took the slot within one step
         assert queued.slot is not None and seq.slot is None

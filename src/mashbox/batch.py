@@ -32,11 +32,15 @@ MAX_JOIN_TOKENS = 4096
 
 @attrs.frozen
 class Stats:
-    """A snapshot for /health and metrics."""
+    """The queue, the slots and the host prompt cache at one moment (/health, /metrics)."""
 
     running: int
     waiting: int
+    slots: int = 0
     kv_cache_usage: float = 0.0  # fraction of slots x ctx holding tokens of running requests
+    cache_bytes: int = 0  # host prompt cache: bytes held, its cap, entries evicted so far
+    cache_cap_bytes: int = 0
+    cache_evictions: int = 0
 
 
 class Batch:
@@ -72,13 +76,18 @@ class Batch:
     def prompt_cache(self) -> PromptCache:
         return self.moves.prompt_cache
 
-    def stats(self) -> Stats:
+    def statistics(self) -> Stats:
         running = [s for s in self.slots if s.seq is not None]
         used = sum(len(s.tokens) for s in running)
+        cache = self.prompt_cache
         return Stats(
             running=len(running),
             waiting=len(self.waiting),
+            slots=len(self.slots),
             kv_cache_usage=used / (len(self.slots) * self.ctx) if self.slots and self.ctx else 0.0,
+            cache_bytes=cache.nbytes,
+            cache_cap_bytes=cache.cap_bytes,
+            cache_evictions=cache.evictions,
         )
 
     def live(self) -> Iterator[Sequence]:

@@ -93,13 +93,9 @@ class Scheduler:
     def ready(self) -> bool:
         return self.worker.ready and not self._closing
 
-    def stats(self) -> Stats:
-        return self.batch.stats()
-
-    def cache_stats(self) -> tuple[int, int, int]:
-        """Host prompt cache: bytes held, cap, evictions."""
-        c = self.prompt_cache
-        return c.nbytes, c.cap_bytes, c.evictions
+    def statistics(self) -> Stats:
+        """The queue, the slots and the prompt cache, now (a frozen snapshot)."""
+        return self.batch.statistics()
 
     def submit(self, request: Request) -> tuple[Sequence, trio.MemoryReceiveChannel]:
         """Queue a request; raise NotReady or QueueFull instead of queueing."""

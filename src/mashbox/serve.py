@@ -21,8 +21,9 @@ from .prompt_cache import PromptCache
 from .scheduler import Scheduler
 from .server import chat_ws, connections
 from .server.app import RefuseBadHost, ShieldFinalSend, create_app
+from .server.identity import model_identity, weights_sha
 from .server.security import Guard, KeyFileError, read_key_file, tenant_of_unnamed
-from .server.state import ServerState, model_identity, weights_sha
+from .server.state import Loaded, ServerState
 from .text.chat_template import ChatTemplate
 from .text.tokenizer import Tokenizer
 from .worker_client import Supervisor, WorkerError, WorkerProcess
@@ -158,14 +159,12 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
             raise FatalError(str(exc)) from None
     ((tokenizer, template),) = text
     state.ctx = info.ctx
-    state.weights_name = path.name
-    state.tokenizer, state.template = tokenizer, template
     weights = weights_sha(path, ref.entry)
-    state.identity = model_identity(ref.id, weights, tokenizer, template, info, opts.slots)
+    identity = model_identity(ref.id, weights, tokenizer, template, info, opts.slots)
     cache = PromptCache(
-        opts.cache_ram_mib * 2**20, info.kv_bytes_per_token, state.identity.cache_namespace
+        opts.cache_ram_mib * 2**20, info.kv_bytes_per_token, identity.cache_namespace
     )
-    state.scheduler = Scheduler(
+    scheduler = Scheduler(
         tokenizer,
         supervisor,
         slots=opts.slots,
@@ -176,7 +175,8 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
         prompt_cache=cache,
         tenant_slots=tenant_slots(opts, state.guard),
     )
-    nursery.start_soon(state.scheduler.run)
+    state.loaded = Loaded(path.name, tokenizer, template, identity, scheduler)
+    nursery.start_soon(scheduler.run)
     if info.kernels_fallback:
         log.warning(
             "WARNING: decode runs on torch's float ops, several times slower: mashbox's CPU "

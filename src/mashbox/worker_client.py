@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 from typing import Protocol
 
+import attrs
 import trio
 
 from .engine.worker import worker_main
@@ -118,6 +119,17 @@ class WorkerProcess:
 log = logging.getLogger("mashbox")
 
 
+@attrs.frozen
+class SupervisorStatistics:
+    """The engine process at one moment (/health, /metrics)."""
+
+    ready: bool
+    pid: int | None
+    restarts: int
+    compiles_after_ready: int  # across every worker process this server started
+    info: EngineInfo | None  # what the engine said when it last loaded
+
+
 class Supervisor(EngineLink):
     """Keeps one engine process running: a fault or a step past its deadline gets a fresh one.
 
@@ -138,6 +150,12 @@ class Supervisor(EngineLink):
     @property
     def pid(self) -> int | None:
         return self.worker.pid if self.worker else None
+
+    def statistics(self) -> SupervisorStatistics:
+        """The engine process, now (a frozen snapshot)."""
+        return SupervisorStatistics(
+            self.ready, self.pid, self.restarts, self.compiles_after_ready, self.info
+        )
 
     async def start(self) -> EngineInfo:
         self.worker = self._start_worker()

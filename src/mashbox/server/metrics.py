@@ -2,12 +2,13 @@
 
 Every name starts with `mashbox:`; the one label every metric has is `model_name`, the served
 model id. No label names a user, an API key or a session. Counters and histograms are fed by
-the scheduler through the `Observer` calls; gauges are read from the live state at scrape
-time, so they answer while the model loads too.
+the scheduler through the `Observer` calls; gauges are read from one snapshot of the server
+(`ServerState.statistics`) at each scrape, so they answer while the model loads too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -17,8 +18,8 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from ..events import Finished
 from ..observer import Observer
 
-if TYPE_CHECKING:
-    from .state import ServerState
+if TYPE_CHECKING:  # (state.py builds the Metrics: a type only here, never an import)
+    from .state import ServerStatistics
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
@@ -45,9 +46,9 @@ class Metrics(Observer):
     """The server's registry (never prometheus-client's global one) and the scheduler's
     observer that feeds it."""
 
-    def __init__(self, state: ServerState):
+    def __init__(self, model: str, read: Callable[[], ServerStatistics]):
+        """model: the served id (every metric's label); read: the server's snapshot, now."""
         self.registry = CollectorRegistry()
-        model = state.model_id
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, ["model_name"], registry=self.registry).labels(model)
@@ -109,7 +110,7 @@ class Metrics(Observer):
             "Mean time per generated token after the first (requests with two or more).",
             TPOT_BUCKETS,
         )
-        self.registry.register(_LiveCollector(state))
+        self.registry.register(_LiveCollector(model, read))
 
     # --- the scheduler's observer ---------------------------------------------------------
 
@@ -147,15 +148,16 @@ class Metrics(Observer):
 
 
 class _LiveCollector:
-    """Gauges (and the restart counter) read from the server state at each scrape."""
+    """Gauges (and the restart counter) read from one snapshot of the server at each scrape."""
 
-    def __init__(self, state: ServerState):
-        self.state = state
+    def __init__(self, model: str, read: Callable[[], ServerStatistics]):
+        self.model, self.read = model, read
 
     def collect(self):
-        state = self.state
-        model = [state.model_id]
-        stats = state.scheduler.stats() if state.scheduler is not None else None
+        snap = self.read()
+        model = [self.model]
+        stats, engine = snap.scheduler, snap.engine
+        info = engine.info if engine else None
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -177,37 +179,37 @@ class _LiveCollector:
             "Fraction of the KV cache (slots x context) holding tokens of running requests.",
             stats.kv_cache_usage if stats else 0.0,
         )
-        if state.scheduler is not None:  # the context length is final once the engine runs
-            info = GaugeMetricFamily(
+        if stats is not None and info is not None:  # the layout is final once the model runs
+            layout = GaugeMetricFamily(
                 "mashbox:cache_config_info",
                 "The KV cache layout: one slot (block) holds one whole context.",
                 labels=["model_name", "block_size", "num_blocks", "enable_prefix_caching"],
             )
-            info.add_metric([state.model_id, str(state.ctx), str(state.slots), "True"], 1)
-            yield info
-        if state.info is not None:
+            layout.add_metric([self.model, str(info.ctx), str(stats.slots), "True"], 1)
+            yield layout
+        if info is not None:
             decode = GaugeMetricFamily(
                 "mashbox:decode_info",
                 "What a decode step runs: weights, CPU kernels and their compiler target.",
                 labels=["model_name", "decode"],
             )
-            decode.add_metric([state.model_id, state.info.decode], 1)
+            decode.add_metric([self.model, info.decode], 1)
             yield decode
             yield gauge(
                 "mashbox:cpu_kernels_fallback",
                 "1 when decode fell back to torch's ops because mashbox's CPU kernels did not "
                 "load (the log and /health say why).",
-                1 if state.info.kernels_fallback else 0,
+                1 if info.kernels_fallback else 0,
             )
         restarts = CounterMetricFamily(
             "mashbox:worker_restarts",
             "Times the engine worker process was started again after a fault.",
             labels=["model_name"],
         )
-        restarts.add_metric(model, state.supervisor.restarts if state.supervisor else 0)
+        restarts.add_metric(model, engine.restarts if engine else 0)
         yield restarts
         yield gauge(
             "mashbox:compiles_after_ready",
             "Programs compiled since the server reported ready, in every worker process.",
-            state.supervisor.compiles_after_ready if state.supervisor else 0,
+            engine.compiles_after_ready if engine else 0,
         )

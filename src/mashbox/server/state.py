@@ -1,40 +1,73 @@
-"""What the routes share: the model's identity, its text pipeline and the scheduler."""
+"""What the routes share: the model's identity, its text pipeline, the scheduler and the engine
+process, and one snapshot of how they are doing."""
 
 from __future__ import annotations
-
-import hashlib
-import json
-from importlib import metadata
-from pathlib import Path
 
 import attrs
 
 from ..protocol import EngineInfo
-from ..scheduler import Scheduler
+from ..scheduler import Scheduler, Stats
 from ..text.chat_template import ChatTemplate
 from ..text.tokenizer import Tokenizer
-from ..worker_client import Supervisor
+from ..worker_client import Supervisor, SupervisorStatistics
+from .identity import Identity
 from .metrics import Metrics
 from .security import Guard
 
 
+@attrs.frozen
+class Loaded:
+    """What the server has once the model is loaded: set once, never undone (an engine
+    restart replaces the process, not these)."""
+
+    weights_name: str
+    tokenizer: Tokenizer
+    template: ChatTemplate
+    identity: Identity
+    scheduler: Scheduler
+
+
+@attrs.frozen
+class ServerStatistics:
+    """The server at one moment, for /health and /metrics."""
+
+    ready: bool
+    scheduler: Stats | None  # None until the model is loaded
+    engine: SupervisorStatistics | None  # None until the engine process is first started
+    identity: Identity | None
+
+
 @attrs.define(eq=False)
 class ServerState:
-    """Filled in as the model loads; `ready` once the engine answers steps."""
+    """The served model's name and shape, the access rules, then the engine process once it
+    starts and everything else once the model is loaded; `ready` while the engine answers."""
 
     model_id: str
-    ctx: int
+    ctx: int  # what was asked for (0: the model's), then what the engine runs
     slots: int
-    weights_name: str = ""
-    tokenizer: Tokenizer | None = None
-    template: ChatTemplate | None = None
-    scheduler: Scheduler | None = None
-    supervisor: Supervisor | None = None
-    identity: Identity | None = None  # set once the model is loaded
     guard: Guard = attrs.Factory(lambda: Guard("127.0.0.1"))
+    supervisor: Supervisor | None = None
+    loaded: Loaded | None = None
     metrics: Metrics = attrs.field(
-        init=False, default=attrs.Factory(lambda self: Metrics(self), takes_self=True)
+        init=False,
+        default=attrs.Factory(
+            lambda self: Metrics(self.model_id, self.statistics), takes_self=True
+        ),
     )
+
+    # What the routes use once `ready`.
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.loaded.tokenizer if self.loaded else None
+
+    @property
+    def template(self) -> ChatTemplate | None:
+        return self.loaded.template if self.loaded else None
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        return self.loaded.scheduler if self.loaded else None
 
     @property
     def info(self) -> EngineInfo | None:
@@ -42,70 +75,13 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.scheduler is not None and self.scheduler.ready
+        return self.loaded is not None and self.loaded.scheduler.ready
 
-
-@attrs.frozen
-class Identity:
-    """The ids /health reports; each a sha256 (hex) over canonical JSON of what it names."""
-
-    cache_namespace: str  # what cached prompt KV is valid for
-    deployment_id: str  # the programs this server runs
-    component_set_sha: str  # what the model is made of
-
-
-def _sha(value) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
-
-
-def weights_sha(path: Path, entry: dict | None) -> str:
-    """The registry's sha256 of the weights (checked when fetched); for a local file or folder,
-    a sha256 over each file's name, size and mtime: hashing gigabytes at every start is slow."""
-    if entry is not None:
-        return entry["sha256"]
-    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
-    return _sha([[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
-
-
-def model_identity(
-    model_id: str,
-    weights: str,
-    tokenizer: Tokenizer,
-    template: ChatTemplate,
-    info: EngineInfo,
-    slots: int,
-) -> Identity:
-    """Hash the model's parts, its cache policy and the engine it runs on into the ids."""
-    components = _sha(
-        {
-            "weights": weights,
-            "tokenizer": tokenizer.fingerprint(),
-            "chat_template": hashlib.sha256(template.source.encode()).hexdigest(),
-        }
-    )
-    # What a saved prompt's KV means: exact token prefixes at this context and KV dtype.
-    # The host cache's size is not part of it (it changes what is kept, not what it means).
-    policy = {"prefix_reuse": True, "ctx": info.ctx, "kv_dtype": info.dtype}
-    namespace = _sha({"model": model_id, "components": components, "cache": policy})
-    deployment = _sha(
-        {
-            "mashbox": _version("mashbox"),
-            "torch": _version("torch"),
-            "device": info.device,
-            "dtype": info.dtype,
-            "decode_weights": info.decode_weights,
-            "arch": info.arch,
-            "ctx": info.ctx,
-            "slots": slots,
-            "model": model_id,
-            "components": components,
-        }
-    )
-    return Identity(namespace, deployment, components)
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+    def statistics(self) -> ServerStatistics:
+        loaded = self.loaded
+        return ServerStatistics(
+            ready=self.ready,
+            scheduler=loaded.scheduler.statistics() if loaded else None,
+            engine=self.supervisor.statistics() if self.supervisor else None,
+            identity=loaded.identity if loaded else None,
+        )

@@ -11,44 +11,45 @@ from .systemone_api import model_entries
 
 def health(state: ServerState) -> dict:
     """The `Health` document."""
-    stats = state.scheduler.stats() if state.scheduler else None
-    held, cap, evictions = state.scheduler.cache_stats() if state.scheduler else (0, 0, 0)
-    ids = state.identity
+    snap = state.statistics()
+    stats, engine, ids = snap.scheduler, snap.engine, snap.identity
+    info = engine.info if engine else None
     return {
-        "status": "ok" if state.ready else "loading",
+        "status": "ok" if snap.ready else "loading",
         "live_rows": stats.running if stats else None,
         "waiting": stats.waiting if stats else 0,
         # Every saved prefix is one host copy; there are no separate snapshots.
-        "cache_bytes": held,
-        "host_cache_bytes": held,
+        "cache_bytes": stats.cache_bytes if stats else 0,
+        "host_cache_bytes": stats.cache_bytes if stats else 0,
         "snapshot_bytes": 0,
-        "host_cache_cap_bytes": cap,
-        "host_cache_evictions": evictions,
+        "host_cache_cap_bytes": stats.cache_cap_bytes if stats else 0,
+        "host_cache_evictions": stats.cache_evictions if stats else 0,
         "cache_namespace": ids.cache_namespace if ids else None,
         "deployment_id": ids.deployment_id if ids else None,
         "component_set_sha": ids.component_set_sha if ids else None,
         "certification": "not_certified",  # no certification gate exists
         # Kernels are built (or loaded) before the engine reports ready; anything compiled
         # later would stall a step. Null before ready.
-        "compiles_after_ready": state.supervisor.compiles_after_ready if state.ready else None,
+        "compiles_after_ready": engine.compiles_after_ready if snap.ready else None,
         "routed_experts": None,  # every supported architecture is dense
-        "decode": state.info.decode if state.info else None,
-        "kernels_fallback": state.info.kernels_fallback or None if state.info else None,
-        "worker_pid": state.supervisor.pid if state.supervisor else None,
-        "worker_restarts": state.supervisor.restarts if state.supervisor else 0,
+        "decode": info.decode if info else None,
+        "kernels_fallback": info.kernels_fallback or None if info else None,
+        "worker_pid": engine.pid if engine else None,
+        "worker_restarts": engine.restarts if engine else 0,
     }
 
 
 def model_card(state: ServerState) -> dict:
     """OpenAI's model object, with what a client may want to know of this one."""
-    info = state.info
+    snap = state.statistics()
+    info = snap.engine.info if snap.engine else None
     return {
         "id": state.model_id,
         "object": "model",
         "owned_by": "mashbox-labs",
         "created": 0,
         "max_model_len": state.ctx,
-        "weights": state.weights_name,
+        "weights": state.loaded.weights_name if state.loaded else "",
         "gb": round(info.n_params * (2 if info.dtype == "bfloat16" else 4) / 1e9, 3) if info else 0,
         "bpw": info.bits_per_weight if info else 0,
         "decode_gb": round(info.decode_bytes / 1e9, 6) if info else 0,
@@ -57,7 +58,7 @@ def model_card(state: ServerState) -> dict:
         "kernels_fallback": info.kernels_fallback or None if info else None,
         "prefix_cache": True,
         "slots": state.slots,
-        "cache_ram_mib": state.scheduler.prompt_cache.cap_bytes // 2**20 if state.scheduler else 0,
+        "cache_ram_mib": snap.scheduler.cache_cap_bytes // 2**20 if snap.scheduler else 0,
     }
 
 
