@@ -62,6 +62,12 @@ def parts(tiny_llama):
     return Tokenizer.from_gguf(tiny_llama), Engine(tiny_llama, slots=2, ctx=512)
 
 
+def submit(scheduler: Scheduler, request: Request):
+    """(the request as the scheduler holds it, its events), as the tests read both."""
+    events = scheduler.submit(request)
+    return events.sequence, events
+
+
 def request(tok, text="Tell me a story", **kw) -> Request:
     params = kw.pop("params", SamplingParams())
     return Request(tuple(tok.encode(text)), params, kw.pop("max_tokens", 400), **kw)
@@ -73,7 +79,7 @@ async def test_a_reader_that_takes_nothing_is_dropped_after_the_stall_timeout(pa
     scheduler = Scheduler(tok, worker, slots=2, ctx=512, stall_timeout=0.5)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(scheduler.run)
-        seq, events = scheduler.submit(request(tok, ignore_eos=True))
+        seq, events = submit(scheduler, request(tok, ignore_eos=True))
         t0 = trio.current_time()
         while not seq.output_ids:
             await trio.sleep(0.01)
@@ -98,7 +104,7 @@ async def test_a_slow_reader_is_never_dropped(parts):
     scheduler = Scheduler(tok, worker, slots=2, ctx=512, stall_timeout=0.3)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(scheduler.run)
-        _, events = scheduler.submit(request(tok, max_tokens=80, ignore_eos=True))
+        _, events = submit(scheduler, request(tok, max_tokens=80, ignore_eos=True))
         received = []
         t0 = trio.current_time()
         async for event in events:
@@ -116,11 +122,11 @@ async def test_cancel_frees_the_slot_before_the_next_step(parts):
     scheduler = Scheduler(tok, worker, slots=1, ctx=512)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(scheduler.run)
-        seq, events = scheduler.submit(request(tok, ignore_eos=True))
+        seq, events = submit(scheduler, request(tok, ignore_eos=True))
         await events.receive()
-        queued, _ = scheduler.submit(request(tok, "Another one", max_tokens=2))
+        queued, _ = submit(scheduler, request(tok, "Another one", max_tokens=2))
         assert scheduler.statistics().waiting == 1
-        scheduler.cancel(seq)
+        await events.aclose()  # the route lets go: the request is cancelled
         steps = worker.steps
         while scheduler.statistics().waiting:
             await trio.sleep(0)
@@ -134,18 +140,18 @@ def test_queue_limits_per_tenant_and_in_all(parts):
     # Ready, but never stepped: everyone waits.
     scheduler = Scheduler(tok, InProcessEngine(None), slots=1, ctx=512)
     for _ in range(MAX_WAITING_PER_TENANT):
-        scheduler.submit(request(tok, tenant="alice"))
+        submit(scheduler, request(tok, tenant="alice"))
     with pytest.raises(QueueFull) as exc:
-        scheduler.submit(request(tok, tenant="alice"))
+        submit(scheduler, request(tok, tenant="alice"))
     assert not exc.value.whole_queue
     tenants = [f"t{i}" for i in range(MAX_WAITING)]
     for name in tenants:
         if len(scheduler.waiting) == MAX_WAITING:
             break
-        scheduler.submit(request(tok, tenant=name))
+        submit(scheduler, request(tok, tenant=name))
     assert len(scheduler.waiting) == MAX_WAITING
     with pytest.raises(QueueFull) as exc:
-        scheduler.submit(request(tok, tenant="somebody-new"))
+        submit(scheduler, request(tok, tenant="somebody-new"))
     assert exc.value.whole_queue
 
 
@@ -189,7 +195,7 @@ async def test_steps_planned_ahead_give_each_stream_what_it_gets_alone(parts, ti
     scheduler = Scheduler(tok, worker, slots=2, ctx=512)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(scheduler.run)
-        submitted = [scheduler.submit(r) for r, _ in cases]
+        submitted = [submit(scheduler, r) for r, _ in cases]
         for _, events in submitted:
             received = [e async for e in events]
             assert isinstance(received[-1], Finished)
@@ -216,13 +222,13 @@ async def test_a_request_starts_in_the_step_after_the_running_one(parts, tiny_ll
     expected = alone(Engine(tiny_llama, slots=1, ctx=512), late.prompt_ids, late.params, 8)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(scheduler.run)
-        _, first = scheduler.submit(request(tok, max_tokens=300, ignore_eos=True))
+        _, first = submit(scheduler, request(tok, max_tokens=300, ignore_eos=True))
         for _ in range(5):
             await first.receive()  # decoding, two steps in flight
         await trio.sleep(0.005)  # inside a step
         assert len(worker.sent) == 1, "no step queued behind the running one"
         running = len(worker.ran) - 1
-        seq, events = scheduler.submit(late)
+        seq, events = submit(scheduler, late)
         received = [e async for e in events]
         nursery.cancel_scope.cancel()
     assert isinstance(received[-1], Finished)
@@ -252,12 +258,12 @@ async def test_requests_sharing_a_prefix_with_a_running_one_copy_it_and_answer_a
     scheduler = Scheduler(tok, worker, slots=3, ctx=512)  # no host prompt cache
     async with trio.open_nursery() as nursery:
         nursery.start_soon(scheduler.run)
-        first = scheduler.submit(Request(prompts[0], greedy, 24, ignore_eos=True))
+        first = submit(scheduler, Request(prompts[0], greedy, 24, ignore_eos=True))
         while len(first[0].output_ids) < 2:  # its prompt is in its slot
             await trio.sleep(0.001)
         later = [
-            scheduler.submit(Request(prompts[1], seeded, 24, ignore_eos=True)),
-            scheduler.submit(Request(prompts[2], greedy, 24, ignore_eos=True)),
+            submit(scheduler, Request(prompts[1], seeded, 24, ignore_eos=True)),
+            submit(scheduler, Request(prompts[2], greedy, 24, ignore_eos=True)),
         ]
         for _, events in [first, *later]:
             assert isinstance([e async for e in events][-1], Finished)
@@ -279,8 +285,8 @@ def test_in_a_burst_a_request_gets_the_slot_holding_its_own_prompt(parts):
     story = tuple(tok.encode("Once upon a time"))
     scheduler.slots[0].tokens, scheduler.slots[0].last_used = [*story, 7, 8], 2
     scheduler.slots[1].tokens, scheduler.slots[1].last_used = [*sea, 5, 6], 1
-    near, _ = scheduler.submit(Request((*sea[:3], *story), SamplingParams(), 4))
-    again, _ = scheduler.submit(Request(sea, SamplingParams(), 4))
+    near, _ = submit(scheduler, Request((*sea[:3], *story), SamplingParams(), 4))
+    again, _ = submit(scheduler, Request(sea, SamplingParams(), 4))
     scheduler._admit()
     assert again.slot is scheduler.slots[1] and again.cached == len(sea) - 1
     assert near.slot is scheduler.slots[0]

@@ -27,6 +27,32 @@ log = logging.getLogger("mashbox")
 CHANNEL_SIZE = 64
 
 
+class RequestEvents(trio.abc.ReceiveChannel):
+    """One request's events, as its route reads them. Closing it (`async with`) cancels the
+    request: its slot frees before the next step. Through it the route says what became of
+    the answer, which the scheduler's one retry and its metrics need; the route never holds
+    the request itself (`sequence` is there for tests)."""
+
+    def __init__(self, receive: trio.MemoryReceiveChannel, seq: Sequence, scheduler: Scheduler):
+        self._receive, self.sequence, self._scheduler = receive, seq, scheduler
+
+    async def receive(self):
+        return await self._receive.receive()
+
+    async def aclose(self) -> None:
+        self._scheduler._cancel(self.sequence)
+        await self._receive.aclose()
+
+    def mark_delivered(self) -> None:
+        """Output has gone to the client: after an engine fault the request now fails
+        rather than runs again (it would repeat what the client has)."""
+        self.sequence.delivered = True
+
+    def mark_called_tools(self) -> None:
+        """The answer called tools: its success is counted as finished_reason=tool_calls."""
+        self.sequence.called_tools = True
+
+
 class Scheduler:
     """The step loop and the requests' channels, around the batch core's queue and slots."""
 
@@ -97,8 +123,8 @@ class Scheduler:
         """The queue, the slots and the prompt cache, now (a frozen snapshot)."""
         return self.batch.statistics()
 
-    def submit(self, request: Request) -> tuple[Sequence, trio.MemoryReceiveChannel]:
-        """Queue a request; raise NotReady or QueueFull instead of queueing."""
+    def submit(self, request: Request) -> RequestEvents:
+        """Queue a request and return its events; raise NotReady or QueueFull instead."""
         if not self.ready:
             raise NotReady("the model is loading")
         if len(self.waiting) >= MAX_WAITING:
@@ -115,12 +141,12 @@ class Scheduler:
         self._wakeup.set()
         if self._receiving:
             self._join()
-        return seq, receive
+        return RequestEvents(receive, seq, self)
 
-    def cancel(self, seq: Sequence) -> None:
-        """Forget a request now (its handler is gone); its slot frees before the next step.
-        A request that finished is counted as a success now, with the route's reading of
-        its answer (`called_tools`)."""
+    def _cancel(self, seq: Sequence) -> None:
+        """Forget a request now (its route closed its events); its slot frees before the next
+        step. A request that finished is counted as a success now, with the route's reading
+        of its answer (`called_tools`)."""
         if seq.finished is not None and not seq.counted:
             seq.counted = True
             self.observer.succeeded("tool_calls" if seq.called_tools else seq.finished.reason)

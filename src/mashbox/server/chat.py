@@ -232,16 +232,16 @@ async def _receive(events, ping_every: float | None):
     return None
 
 
-async def parsed(events, prompt: ChatPrompt, seq, *, ping_every: float | None = None):
-    """Scheduler events with the answer's text parsed into reasoning, content and tool calls.
-    Each parsed item marks `seq` delivered as it is handed to the route to write: until then
-    (text the parser holds back) an engine fault still gives the request its retry.
+async def parsed(events, prompt: ChatPrompt, *, ping_every: float | None = None):
+    """Scheduler events with the answer's text parsed into reasoning, content and tool calls;
+    `Finished` carries how many generated tokens were reasoning (think tags included).
 
     With ping_every, a Ping is yielded after that many seconds without an event (during a
     long prefill, say): the receive is cancelled, never the generator itself.
     """
     parser = prompt.parser()
     bare = _BareCalls(prompt.tool_names)
+    reasoning_tokens = 0
     while True:
         try:
             event = await _receive(events, ping_every)
@@ -254,29 +254,20 @@ async def parsed(events, prompt: ChatPrompt, seq, *, ping_every: float | None = 
             before = parser.in_reasoning
             items = bare.pass_through(parser.feed(event.text))
             if before or parser.in_reasoning:  # the think tags count with the reasoning
-                seq.reasoning_tokens += event.tokens
-            for item in _handed(seq, items):
+                reasoning_tokens += event.tokens
+            for item in items:
                 yield item
         elif isinstance(event, Finished):
-            for item in _handed(seq, bare.finish(parser.finish())):
+            for item in bare.finish(parser.finish()):
                 yield item
-            yield attrs.evolve(event, reasoning_tokens=seq.reasoning_tokens)
+            yield attrs.evolve(event, reasoning_tokens=reasoning_tokens)
         elif isinstance(event, Restarted):  # what was read before the fault is void
             parser = prompt.parser()
             bare = _BareCalls(prompt.tool_names)
-            seq.reasoning_tokens, seq.called_tools = 0, False
+            reasoning_tokens = 0
             yield event
         elif isinstance(event, Failed):
             yield event
-
-
-def _handed(seq, items: list):
-    """The items, each marking `seq` as the route is about to write it: its client has
-    output now (no retry after a fault), and whether the answer called tools."""
-    for item in items:
-        seq.delivered = True
-        seq.called_tools |= isinstance(item, ToolCall)
-        yield item
 
 
 class _BareCalls:
@@ -351,36 +342,34 @@ class Answer:
         return [e for e in self.events if isinstance(e, ToolCall)]
 
 
-async def collect(state: ServerState, seq, events, prompt: ChatPrompt | None, failure) -> Answer:
+async def collect(events, prompt: ChatPrompt | None, failure) -> Answer:
     """Read a non-streamed answer to its end; `failure(Failed)` builds the error to raise.
-    The request is released from the scheduler however this ends (a disconnect included).
+    The request is released however this ends (a disconnect included): the events close.
 
     Without a prompt (text completions) the text is not parsed: it is all content.
     """
     items: list = []
-    source = plain_events(events, seq) if prompt is None else parsed(events, prompt, seq)
-    try:
-        async with events:
-            async for event in source:
-                if isinstance(event, Finished):
-                    return Answer(merge(items), event)
-                if isinstance(event, Failed):
-                    raise failure(event)
-                if isinstance(event, Restarted):
-                    items = []  # the engine failed before the client got anything: again
-                else:
-                    items.append(event)
-    finally:
-        state.scheduler.cancel(seq)
+    source = plain_events(events) if prompt is None else parsed(events, prompt)
+    async with events:
+        async for event in source:
+            if isinstance(event, Finished):
+                answer = Answer(merge(items), event)
+                if answer.calls:
+                    events.mark_called_tools()
+                return answer
+            if isinstance(event, Failed):
+                raise failure(event)
+            if isinstance(event, Restarted):
+                items = []  # the engine failed before the client got anything: again
+            else:
+                items.append(event)
     raise ApiError(500, "the request was dropped before it finished", type="server_error")
 
 
-async def plain_events(events, seq):
-    """Scheduler events with text as Content, unparsed (plain completions); each text marks
-    `seq` delivered as it is handed to the route to write."""
+async def plain_events(events):
+    """Scheduler events with text as Content, unparsed (plain completions)."""
     async for event in events:
         if isinstance(event, TextDelta):
-            seq.delivered = True
             yield Content(event.text)
         elif isinstance(event, Finished | Failed | Restarted):
             yield event

@@ -20,8 +20,10 @@ from typing import Protocol
 import attrs
 
 from ..events import Failed, Finished, NotReady, QueueFull, Request, Restarted
+from ..scheduler import RequestEvents
+from ..text.parser import ToolCall
 from . import chat
-from .chat import Answer, ChatPrompt
+from .chat import Answer, ChatPrompt, Ping
 from .errors import ApiError, not_ready, queue_full
 from .generation import log_request, log_tag
 from .state import ServerState
@@ -91,8 +93,9 @@ class Call:
 Parse = Callable[[ServerState, Body, str], Awaitable[Call]]
 
 
-def submit(state: ServerState, request: Request):
-    """Queue a request, turning scheduler refusals into the route's error responses."""
+def submit(state: ServerState, request: Request) -> RequestEvents:
+    """Queue a request, turning scheduler refusals into the route's error responses; closing
+    the events it returns cancels the request."""
     try:
         return state.scheduler.submit(request)
     except NotReady:
@@ -122,7 +125,7 @@ async def answer(
     body = Body(data)
     call = await parse(state, body, tenant)
     session = log_tag(body, headers, tenant)
-    seq, events = submit(state, call.request)
+    events = submit(state, call.request)
 
     def logged(status: int, done: Finished | None) -> None:
         log_request(route, status, done, session, t0)
@@ -133,40 +136,45 @@ async def answer(
             logged(event.status, None)
             return failure(event)
 
-        whole = await chat.collect(state, seq, events, call.prompt, fail)
+        whole = await chat.collect(events, call.prompt, fail)
         logged(200, whole.done)
         return call.encoder.whole(whole)
-    return _stream(state, seq, events, call, logged)
+    return _stream(events, call, logged)
 
 
-async def _stream(state, seq, events, call: Call, logged) -> AsyncIterator[Frame]:
+async def _stream(events: RequestEvents, call: Call, logged) -> AsyncIterator[Frame]:
+    """The answer's events as they come; the request is cancelled however this ends."""
     encoder = call.encoder
-    try:
-        async with events:
-            source, cached = events, None
-            if encoder.waits_for_admission:
-                cached, source = await chat.admission(events, encoder.ping_every)
-            for f in encoder.start(cached):
-                yield f
-            if call.prompt is None:
-                items = chat.plain_events(source, seq)
-            else:
-                items = chat.parsed(source, call.prompt, seq, ping_every=encoder.ping_every)
-            async for item in items:
-                if isinstance(item, Finished):
-                    for f in encoder.finish(item):
-                        yield f
-                    logged(200, item)
-                    return
-                if isinstance(item, Failed):
-                    for f in encoder.fail(item.message, item.status):
-                        yield f
-                    logged(item.status, None)
-                    return
-                if not isinstance(item, Restarted):  # nothing was sent before a restart
-                    for f in encoder.feed(item):
-                        yield f
-        for f in encoder.fail(DROPPED, 500):
+    async with events:
+        source, cached = events, None
+        if encoder.waits_for_admission:
+            cached, source = await chat.admission(events, encoder.ping_every)
+        for f in encoder.start(cached):
             yield f
-    finally:
-        state.scheduler.cancel(seq)
+        if call.prompt is None:
+            items = chat.plain_events(source)
+        else:
+            items = chat.parsed(source, call.prompt, ping_every=encoder.ping_every)
+        async for item in items:
+            if isinstance(item, Finished):
+                for f in encoder.finish(item):
+                    yield f
+                logged(200, item)
+                return
+            if isinstance(item, Failed):
+                for f in encoder.fail(item.message, item.status):
+                    yield f
+                logged(item.status, None)
+                return
+            if isinstance(item, Restarted):  # nothing was sent before a restart
+                continue
+            if not isinstance(item, Ping):
+                # Output now reaches the client: a fault can no longer run it again. Text the
+                # parser still holds back (a tool call's start) has not, so it still can.
+                events.mark_delivered()
+                if isinstance(item, ToolCall):
+                    events.mark_called_tools()
+            for f in encoder.feed(item):
+                yield f
+    for f in encoder.fail(DROPPED, 500):
+        yield f

@@ -68,20 +68,17 @@ async def embeddings(state: ServerState, data, headers, tenant: str = "") -> dic
     async def worker() -> None:
         for i in todo:  # the workers share one iterator: each input is taken once
             request = Request(tuple(ids[i]), SamplingParams(), 1, tenant=tenant, embed=True)
-            seq, events = submit(state, request)
-            try:
-                async with events:
-                    async for event in events:
-                        if isinstance(event, Embedding):
-                            vectors[i] = event.vector
-                        elif isinstance(event, Failed):
-                            raise failure(event)
-                        elif isinstance(event, Finished):
-                            break
-                    else:
-                        raise ApiError(500, "the request was dropped", type="server_error")
-            finally:
-                state.scheduler.cancel(seq)
+            events = submit(state, request)
+            async with events:  # closing it releases the request, however this ends
+                async for event in events:
+                    if isinstance(event, Embedding):
+                        vectors[i] = event.vector
+                    elif isinstance(event, Failed):
+                        raise failure(event)
+                    elif isinstance(event, Finished):
+                        break
+                else:
+                    raise ApiError(500, "the request was dropped", type="server_error")
 
     try:
         async with trio.open_nursery() as nursery:

@@ -115,19 +115,15 @@ async def systemone(state: ServerState, data, tenant: str = "") -> dict:
 async def _run(state: ServerState, request: Request):
     """Submit the decision and wait for its reads; the request is released however this
     ends (a client that disconnects cancels it)."""
-    seq, events = submit(state, request)
     reads = None
-    try:
-        async with events:
-            async for event in events:
-                if isinstance(event, Decision):
-                    reads = event.logprobs
-                elif isinstance(event, Restarted):
-                    reads = None
-                elif isinstance(event, Failed):
-                    raise failure(event)
-                elif isinstance(event, Finished) and reads is not None:
-                    return reads
-    finally:
-        state.scheduler.cancel(seq)
+    async with submit(state, request) as events:  # closing it releases the request
+        async for event in events:
+            if isinstance(event, Decision):
+                reads = event.logprobs
+            elif isinstance(event, Restarted):
+                reads = None
+            elif isinstance(event, Failed):
+                raise failure(event)
+            elif isinstance(event, Finished) and reads is not None:
+                return reads
     raise ApiError(500, "the request was dropped before it finished", type="server_error")
