@@ -23,7 +23,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from serverproc import ServerProcess  # noqa: E402
+from support.serverproc import ServerProcess  # noqa: E402
 
 TOOLS = [
     {"type": "function", "function": {

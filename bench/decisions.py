@@ -159,7 +159,7 @@ def main() -> None:
     if args.url:
         trio.run(main_async, args.url, questions)
         return
-    from serverproc import ServerProcess
+    from support.serverproc import ServerProcess
 
     proc = ServerProcess(
         args.model, "--slots", str(args.slots), "--ctx", "2048", *args.server_args.split()

@@ -269,7 +269,7 @@ def main() -> None:
     if args.url:
         trio.run(main_async, args, args.url)
         return
-    from serverproc import ServerProcess
+    from support.serverproc import ServerProcess
 
     slots = max(args.slots, *args.streams)
     extra = args.server_args.split()

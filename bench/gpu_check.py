@@ -51,8 +51,7 @@ from mashbox.engine.engine import Engine, compiles_so_far  # noqa: E402
 from mashbox.engine.graph_decode import GraphDecoder, reads_in_place  # noqa: E402
 from mashbox.engine.kv_cache import KVCache  # noqa: E402
 from mashbox.engine.model import Model  # noqa: E402
-
-from tinymodels import no_tokenizer, random_weights, step_by_step, write_gguf  # noqa: E402
+from support.tinymodels import no_tokenizer, random_weights, step_by_step, write_gguf  # noqa: E402
 
 BANDWIDTH = 4.8e12  # bytes/s: the H200's HBM3e, by its datasheet
 LLAMA3_8B = ModelConfig(

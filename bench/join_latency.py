@@ -23,8 +23,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from serverproc import serving  # noqa: E402
-from tinymodels import build_tiny_llama  # noqa: E402
+from support.serverproc import serving  # noqa: E402
+from support.tinymodels import build_tiny_llama  # noqa: E402
 
 
 def main() -> None:

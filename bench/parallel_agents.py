@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from agent_turns import QUESTIONS, SYSTEM, TOOLS, ttft  # noqa: E402
 
-from serverproc import ServerProcess  # noqa: E402
+from support.serverproc import ServerProcess  # noqa: E402
 
 
 def agent(system: str, question: str) -> list[dict]:

@@ -25,7 +25,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from serverproc import ServerProcess  # noqa: E402
+from support.serverproc import ServerProcess  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 PROMPTS = ["Tell me about Paris.", "Write a poem about the sea.", "Explain rain.", "Count to ten."]
@@ -194,7 +194,7 @@ def main() -> int:
     args = parser.parse_args()
     model = args.model
     if model is None:
-        from tinymodels import build_tiny_llama
+        from support.tinymodels import build_tiny_llama
 
         model = str(build_tiny_llama(Path(tempfile.mkdtemp()) / "tiny", quantize=True))
     # Faults across the whole run: crashes, raised errors and a hang, at spread-out steps.

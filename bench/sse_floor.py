@@ -116,7 +116,7 @@ def measure(url: str, pid: int, streams: list[int], tokens: int) -> dict[int, di
 
 
 def mashbox_run(streams: list[int], tokens: int) -> dict[int, dict]:
-    from serverproc import ServerProcess
+    from support.serverproc import ServerProcess
 
     proc = ServerProcess(MODEL, "--slots", str(max(streams)), "--ctx", "1024")
     try:

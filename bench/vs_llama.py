@@ -259,7 +259,7 @@ def measure_llama(args, model: Path) -> dict:
 
 
 def measure_mashbox(args) -> dict:
-    from serverproc import ServerProcess
+    from support.serverproc import ServerProcess
 
     slots = str(max(args.streams))
     flags = ["--slots", slots, "--ctx", str(args.ctx), "--threads", str(args.threads)]

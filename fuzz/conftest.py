@@ -14,8 +14,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from serverproc import serving  # noqa: E402
-from tinymodels import build_tiny_llama  # noqa: E402
+from support.serverproc import serving  # noqa: E402
+from support.tinymodels import build_tiny_llama  # noqa: E402
 
 EXAMPLES = int(os.environ.get("MASHBOX_FUZZ_EXAMPLES", "15"))
 KEY = "fuzz-key"

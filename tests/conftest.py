@@ -9,8 +9,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serverproc import serving  # noqa: E402
-from tinymodels import build_tiny_llama, build_tiny_qwen2  # noqa: E402
+from support.serverproc import serving  # noqa: E402
+from support.tinymodels import build_tiny_llama, build_tiny_qwen2  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +28,7 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def trained_model(tmp_path_factory) -> Path:
     """The tiny model trained to think and call get_weather (tests/trained.py), built once."""
-    import trained
+    from support import trained
 
     return trained.build_trained_model(tmp_path_factory.mktemp("trained"))
 

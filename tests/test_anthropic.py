@@ -8,7 +8,7 @@ import anthropic
 import httpx
 import pytest
 
-from serverproc import ServerProcess
+from support.serverproc import ServerProcess
 
 MODEL = "mashbox-any-name"  # any name is accepted and echoed
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-import tinytok
-from serverproc import ServerProcess
-from tinymodels import random_weights, write_hf_folder
+from support import tinytok
+from support.serverproc import ServerProcess
+from support.tinymodels import random_weights, write_hf_folder
 
 
 def chat(url: str, **extra) -> dict:

@@ -7,8 +7,7 @@ import json
 import pytest
 
 from mashbox.text.chat_template import ChatTemplate, ChatTemplateError
-
-import tinytok
+from support import tinytok
 
 # tokenizer.chat_template of SmolLM2-135M-Instruct, copied from its GGUF file.
 SMOLLM2_TEMPLATE = (

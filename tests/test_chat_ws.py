@@ -12,7 +12,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from serverproc import ServerProcess
+from support.serverproc import ServerProcess
 
 REQUEST = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5}
 

@@ -11,8 +11,8 @@ import sys
 
 import httpx
 
-from serverproc import ServerProcess
-from test_registry import make_wheel
+from support.serverproc import ServerProcess
+from support.wheels import make_wheel
 
 
 def run_cli(*args, env=None, timeout=120) -> subprocess.CompletedProcess:

@@ -16,8 +16,8 @@ import httpx
 import pytest
 import trio
 
-import rawhttp
-from serverproc import ServerProcess, serving, wait_for
+from support import rawhttp
+from support.serverproc import ServerProcess, serving, wait_for
 
 CHAT = "/v1/chat/completions"
 

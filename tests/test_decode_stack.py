@@ -12,8 +12,7 @@ from mashbox.engine import kernel_build
 from mashbox.engine.engine import Engine
 from mashbox.engine.int4 import Int4Weight
 from mashbox.engine.q8_weight import Q8Weight
-
-from tinymodels import no_tokenizer, random_weights, write_gguf
+from support.tinymodels import no_tokenizer, random_weights, write_gguf
 
 LACKS = kernel_build.machine_lacks()  # anywhere else, no kernels fails the tests below
 pytestmark = pytest.mark.skipif(LACKS is not None, reason=f"cannot build the kernels: {LACKS}")

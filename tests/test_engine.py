@@ -13,8 +13,7 @@ from mashbox.engine.dequant import dequantize
 from mashbox.engine.engine import Engine
 from mashbox.engine.sampling import apply_penalties, sample, uniforms
 from mashbox.protocol import Admit, Branch, Decide, Decode, Prefill, SamplingParams, Step
-
-from tinymodels import no_tokenizer, random_weights, write_gguf
+from support.tinymodels import no_tokenizer, random_weights, write_gguf
 
 VOCAB = 97
 

@@ -14,8 +14,7 @@ import torch
 from mashbox.engine import graph_decode
 from mashbox.engine.engine import Engine, compiles_so_far
 from mashbox.engine.graph_decode import GraphDecoder, batch_buckets, context_buckets
-
-from tinymodels import no_tokenizer, random_weights, step_by_step, write_gguf
+from support.tinymodels import no_tokenizer, random_weights, step_by_step, write_gguf
 
 VOCAB = 97
 SLOTS, CTX = 6, 320  # buckets B 1, 2, 4, 8 (the cache's 7th slot is scratch) and L 256, 320

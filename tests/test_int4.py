@@ -13,8 +13,7 @@ from mashbox.engine.engine import Engine
 from mashbox.engine.int4 import EXACT_QTYPES, Int4Weight, unpack
 from mashbox.engine.int8_weight import Int8Weight
 from mashbox.engine.model import DECODE_MATRICES
-
-from tinymodels import no_tokenizer, random_weights, write_gguf
+from support.tinymodels import no_tokenizer, random_weights, write_gguf
 
 Q = gguf.GGMLQuantizationType
 EPS = 2.0**-8  # bf16 rounding: 8 significant bits, half an ulp of relative error

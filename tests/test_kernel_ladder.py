@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from mashbox.engine import cpu_kernels, kernel_build
-
-from serverproc import serving
+from support.serverproc import serving
 
 LACKS = kernel_build.machine_lacks()
 needs_a_compiler = pytest.mark.skipif(LACKS is not None, reason=f"cannot build here: {LACKS}")

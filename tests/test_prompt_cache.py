@@ -9,8 +9,7 @@ import torch
 from mashbox.engine.engine import Engine
 from mashbox.prompt_cache import MIN_TOKENS, PromptCache
 from mashbox.protocol import Admit, Decode, Prefill, Restore, SamplingParams, Save, Step
-
-from serverproc import serving
+from support.serverproc import serving
 
 TOKENS = list(range(10, 10 + 2 * MIN_TOKENS))
 

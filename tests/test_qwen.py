@@ -7,7 +7,7 @@ import json
 import openai
 import pytest
 
-from serverproc import ServerProcess
+from support.serverproc import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -6,30 +6,14 @@ import httpx
 import openai
 import pytest
 
+from support.responses_events import check_sequence
+
 MODEL = "tiny-llama.gguf"
 
 
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-
-
-def check_sequence(events) -> None:
-    """sequence_number 1, 2, 3...; created, in_progress first; a terminal event last; every
-    delta inside an added/done pair of its item."""
-    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
-    kinds = [e.type for e in events]
-    assert kinds[:2] == ["response.created", "response.in_progress"]
-    assert kinds[-1] in ("response.completed", "response.incomplete")
-    open_items = set()
-    for e in events[2:-1]:
-        if e.type == "response.output_item.added":
-            open_items.add(e.output_index)
-        elif e.type == "response.output_item.done":
-            open_items.remove(e.output_index)
-        else:
-            assert e.output_index in open_items, e.type
-    assert not open_items
 
 
 def test_plain_text(client):

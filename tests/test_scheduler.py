@@ -21,8 +21,7 @@ from mashbox.protocol import PREVIOUS, Admit, Decode, Prefill, SamplingParams, S
 from mashbox.scheduler import Scheduler
 from mashbox.text.tokenizer import Tokenizer
 from mashbox.worker_client import EngineLink
-
-from tinymodels import step_by_step
+from support.tinymodels import step_by_step
 
 
 class InProcessEngine(EngineLink):

@@ -9,8 +9,7 @@ import pytest
 import trio
 
 from mashbox.server.security import Guard, read_key_file
-
-from serverproc import ServerProcess, serving
+from support.serverproc import ServerProcess, serving
 
 CHAT = "/v1/chat/completions"
 SMALL = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}

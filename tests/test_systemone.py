@@ -15,8 +15,7 @@ from typesafe_sdk import Choice, Noul, RetryPolicy, Score, TypeSafeClient
 from typesafe_sdk._core.errors import TypeSafeUnprocessableEntityError
 
 from mashbox.server import decision_labels
-
-from serverproc import serving
+from support.serverproc import serving
 
 ROUTE = "/v1/systemone"
 STATE = "I was charged twice for my order. Please refund the duplicate payment today."

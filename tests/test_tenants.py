@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from serverproc import ServerProcess, serving, wait_for
+from support.serverproc import ServerProcess, serving, wait_for
 
 # Every prompt starts with BOS: a tenant may share that one token with their own earlier ones.
 BOS = 1

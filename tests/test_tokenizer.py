@@ -15,8 +15,7 @@ import sentencepiece as spm
 
 from mashbox import registry
 from mashbox.text.tokenizer import Detokenizer, Tokenizer
-
-import tinytok
+from support import tinytok
 
 try:
     from hypothesis import HealthCheck, given, settings

@@ -13,9 +13,9 @@ import anthropic
 import openai
 import pytest
 
-import trained
-from serverproc import ServerProcess
-from test_responses import check_sequence
+from support import trained
+from support.responses_events import check_sequence
+from support.serverproc import ServerProcess
 
 WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris today?"}]
 TOOLS = [trained.WEATHER_TOOL]
@@ -225,7 +225,7 @@ def test_a_stream_faulting_inside_a_held_back_tool_call_is_run_again(trained_mod
     000: "one retry before first output") and the call arrives whole, not an error."""
     import httpx
 
-    from serverproc import serving
+    from support.serverproc import serving
 
     body = {"messages": WEATHER_Q, "tools": TOOLS, "max_tokens": 80,
             "stream": True, "temperature": 0}  # fmt: skip

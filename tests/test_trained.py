@@ -11,9 +11,8 @@ from mashbox.protocol import Admit, Decode, Prefill, SamplingParams, Step
 from mashbox.text.chat_template import ChatTemplate
 from mashbox.text.parser import Content, OutputParser, Reasoning, ToolCall, merge
 from mashbox.text.tokenizer import Detokenizer, Tokenizer
-
-import trained
-from trained import HELD_OUT, SCRIPT, TOOL_TEMPLATE, WEATHER_TOOL, expected_completion
+from support import trained
+from support.trained import HELD_OUT, SCRIPT, TOOL_TEMPLATE, WEATHER_TOOL, expected_completion
 
 MAX_TOKENS = 80
 

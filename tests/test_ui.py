@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serverproc import serving, wait_for
+from support.serverproc import serving, wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [

@@ -49,8 +49,8 @@ from mashbox.engine.model import apply_rope, rms_norm, rope_tables
 from mashbox.text.chat_template import ChatTemplate
 from mashbox.text.tokenizer import Tokenizer
 
-import tinytok
-from tinymodels import random_weights, write_gguf
+from . import tinytok
+from .tinymodels import random_weights, write_gguf
 
 # ChatML with Qwen2.5's tool prompt, <tool_call>/<tool_response> turns and Qwen3's thinking.
 TOOL_TEMPLATE = r"""{%- macro text(content) %}

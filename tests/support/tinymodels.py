@@ -109,7 +109,7 @@ def write_gguf(
 
 def build_tiny_llama(workdir: Path, *, quantize: bool = False, seed: int = 0) -> Path:
     """A 2-layer Llama with a trained SentencePiece vocabulary, as GGUF."""
-    import tinytok
+    from . import tinytok
 
     workdir.mkdir(parents=True, exist_ok=True)
     spm = tinytok.train_spm(workdir)
@@ -127,7 +127,7 @@ def build_tiny_llama(workdir: Path, *, quantize: bool = False, seed: int = 0) ->
 
 def build_tiny_qwen2(workdir: Path, *, seed: int = 1) -> Path:
     """A 2-layer Qwen2 (qkv bias, tied embeddings) with a byte-level BPE vocabulary, as GGUF."""
-    import tinytok
+    from . import tinytok
 
     workdir.mkdir(parents=True, exist_ok=True)
     tok = tinytok.train_bpe(workdir)
@@ -147,7 +147,7 @@ def write_hf_folder(folder: Path, weights: dict[str, np.ndarray], tok, *, n_head
 
     from mashbox.engine.weights import _HF_GLOBAL_NAMES, _HF_LAYER_NAMES
 
-    import tinytok
+    from . import tinytok
 
     folder.mkdir(parents=True, exist_ok=True)
     reverse = {v: k for k, v in _HF_GLOBAL_NAMES.items()}
