@@ -16,6 +16,7 @@ import attrs
 
 from ..text.chat_template import ChatTemplate, ChatTemplateError
 from ..text.tokenizer import Tokenizer
+from .content import ContentError, text_of
 from .errors import invalid
 
 if TYPE_CHECKING:
@@ -167,22 +168,16 @@ def _is_message(m) -> bool:
 
 
 def _message_text(m: dict, loc: tuple) -> str:
-    content = m["content"]
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise invalid((*loc, "content"), "must be a string or a list of text parts", "type_error")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("text", "input_text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind in ("image_url", "input_image", "image"):
-            raise invalid((*loc, "content", j), "this model reads text only",
-                          code="unsupported_content")  # fmt: skip
-        else:
-            raise invalid((*loc, "content", j), "must be a text part", "type_error")
-    return "".join(texts)
+    try:
+        return text_of(m["content"])
+    except ContentError as exc:
+        if exc.index is None:
+            raise invalid((*loc, "content"), "must be a string or a list of text parts",
+                          "type_error") from None  # fmt: skip
+        at = (*loc, "content", exc.index)
+        if exc.media:
+            raise invalid(at, "this model reads text only", code="unsupported_content") from None
+        raise invalid(at, "must be a text part", "type_error") from None
 
 
 def render_split(template: ChatTemplate, messages: list[dict]) -> tuple[str, str]:

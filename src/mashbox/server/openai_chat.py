@@ -12,6 +12,7 @@ from ..events import Finished
 from ..text.parser import Reasoning, ToolCall
 from . import chat
 from .chat import Answer, ToolChoice
+from .content import ContentError, text_of
 from .driver import Call, Frame, OneFieldFrame, frame
 from .errors import bad_request
 from .generation import build_request, check_model, encode_prompt
@@ -26,24 +27,16 @@ _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 def message_text(content, where: str) -> str:
     """A message's content as text: a string, a list of text parts, or null."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of parts", "messages")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind in ("image_url", "input_image", "input_audio", "file", "image", "audio"):
-            raise bad_request(
-                f"{where}.content[{j}] is a {kind} part: this model reads text only", "messages"
-            )
+    try:
+        return text_of(content)
+    except ContentError as exc:
+        if exc.index is None:
+            why = f"{where}.content must be a string or a list of parts"
+        elif exc.media:
+            why = f"{where}.content[{exc.index}] is a {exc.media} part: this model reads text only"
         else:
-            raise bad_request(f"{where}.content[{j}] must be a text part", "messages")
-    return "".join(texts)
+            why = f"{where}.content[{exc.index}] must be a text part"
+        raise bad_request(why, "messages") from None
 
 
 def _tool_calls(value, where: str) -> list[dict]:
