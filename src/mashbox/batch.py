@@ -16,7 +16,7 @@ import attrs
 
 from .events import Admitted, Decision, Embedding, Failed, Finished, TextDelta
 from .kv_moves import KVMoves
-from .observer import Observer
+from .observer import Observer, Stats
 from .placement import pair, pick
 from .prompt_cache import PromptCache
 from .protocol import PREVIOUS, Admit, Decide, Decode, Prefill, Step, StepResult
@@ -28,19 +28,6 @@ log = logging.getLogger("mashbox")
 # Prompt tokens a join may carry (`Batch.plan_join`): it is written to the engine's pipe while
 # a step runs, so it must fit the pipe's buffer (64 KiB) or the event loop would wait.
 MAX_JOIN_TOKENS = 4096
-
-
-@attrs.frozen
-class Stats:
-    """The queue, the slots and the host prompt cache at one moment (/health, /metrics)."""
-
-    running: int
-    waiting: int
-    slots: int = 0
-    kv_cache_usage: float = 0.0  # fraction of slots x ctx holding tokens of running requests
-    cache_bytes: int = 0  # host prompt cache: bytes held, its cap, entries evicted so far
-    cache_cap_bytes: int = 0
-    cache_evictions: int = 0
 
 
 class Batch:

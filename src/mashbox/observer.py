@@ -1,7 +1,9 @@
-"""The scheduler's hook for metrics: what it reports as requests move (server/metrics.py
-counts it)."""
+"""What the scheduler tells the rest of the server: its hook for metrics as requests move
+(server/metrics.py counts it), and its snapshot for /health and /metrics."""
 
 from __future__ import annotations
+
+import attrs
 
 from .events import Finished
 
@@ -32,3 +34,16 @@ class Observer:
     def succeeded(self, reason: str) -> None:
         """A finished request's route is done with it: stop, length, or tool_calls (which
         only the route's parser can tell, so this comes when the route lets go)."""
+
+
+@attrs.frozen
+class Stats:
+    """The queue, the slots and the host prompt cache at one moment (/health, /metrics)."""
+
+    running: int
+    waiting: int
+    slots: int = 0
+    kv_cache_usage: float = 0.0  # fraction of slots x ctx holding tokens of running requests
+    cache_bytes: int = 0  # host prompt cache: bytes held, its cap, entries evicted so far
+    cache_cap_bytes: int = 0
+    cache_evictions: int = 0

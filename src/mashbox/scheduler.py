@@ -13,9 +13,9 @@ import time
 
 import trio
 
-from .batch import Batch, Stats
+from .batch import Batch
 from .events import MAX_WAITING, MAX_WAITING_PER_TENANT, Failed, NotReady, QueueFull, Request
-from .observer import Observer
+from .observer import Observer, Stats
 from .prompt_cache import PromptCache
 from .protocol import Step
 from .sequence import Sequence, Slot

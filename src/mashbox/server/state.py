@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import attrs
 
+from ..observer import Stats
 from ..protocol import EngineInfo
-from ..scheduler import Scheduler, Stats
+from ..scheduler import Scheduler
 from ..text.chat_template import ChatTemplate
 from ..text.tokenizer import Tokenizer
 from ..worker_client import Supervisor, SupervisorStatistics
