@@ -71,8 +71,9 @@ class _Cursor:
         return values.tolist()
 
 
-def read(path: Path) -> tuple[dict, list[TensorInfo]]:
-    """Scalar and string metadata (arrays skipped), and every tensor, memory-mapped."""
+def _header(path: Path, arrays: Collection[str]) -> tuple[np.memmap, _Cursor, int, dict]:
+    """The file mapped, a cursor after its metadata, its tensor count, and the metadata:
+    scalars, strings, and the arrays whose keys are in `arrays` (the rest skipped)."""
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     cur = _Cursor(memoryview(raw))
     if bytes(raw[:4]) != b"GGUF":
@@ -86,10 +87,18 @@ def read(path: Path) -> tuple[dict, list[TensorInfo]]:
         key, kind = cur.string(), cur.take("I")
         if kind == _STRING:
             fields[key] = cur.string()
+        elif kind == _ARRAY and key in arrays:
+            fields[key] = cur.array()
         elif kind == _ARRAY:
             cur.skip_array()
         else:
             fields[key] = cur.take(_SCALARS[kind])
+    return raw, cur, n_tensors, fields
+
+
+def read(path: Path) -> tuple[dict, list[TensorInfo]]:
+    """Scalar and string metadata (arrays skipped), and every tensor, memory-mapped."""
+    raw, cur, n_tensors, fields = _header(path, ())
     infos = []
     for _ in range(n_tensors):
         name = cur.string()
@@ -111,24 +120,4 @@ def read(path: Path) -> tuple[dict, list[TensorInfo]]:
 def read_metadata(path: Path, arrays: Collection[str] = ()) -> dict:
     """Scalar and string metadata, and the arrays whose keys are in `arrays` (the tokenizer's
     vocabulary, say) as lists; the rest of the arrays and the tensors are skipped."""
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(memoryview(raw))
-    if bytes(raw[:4]) != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file")
-    cur.pos = 4
-    version, _, n_kv = cur.take("I"), cur.take("Q"), cur.take("Q")
-    if version < 2:
-        raise ValueError(f"GGUF version {version} is not supported")
-    fields: dict = {}
-    for _ in range(n_kv):
-        key, kind = cur.string(), cur.take("I")
-        if kind == _STRING:
-            fields[key] = cur.string()
-        elif kind == _ARRAY:
-            if key in arrays:
-                fields[key] = cur.array()
-            else:
-                cur.skip_array()
-        else:
-            fields[key] = cur.take(_SCALARS[kind])
-    return fields
+    return _header(path, arrays)[3]
