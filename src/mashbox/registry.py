@@ -26,6 +26,8 @@ from typing import IO
 
 import attrs
 
+from . import tiny
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 # progress(done_bytes, total_bytes_or_None, message): the bytes count the step named by message.
@@ -48,7 +50,7 @@ class ModelRef:
     """What the user asked for, resolved without any download."""
 
     id: str  # registry id, or the file/folder name for a path
-    kind: str  # "registry" | "gguf" | "hf"
+    kind: str  # "registry" | "builtin" (mashbox-tiny, written on first use) | "gguf" | "hf"
     path: Path | None  # the local path; None for a registry model until fetched
     entry: dict | None  # the registry entry; None for a path
 
@@ -74,6 +76,8 @@ def resolve(name: str) -> ModelRef:
     models = known_models()
     if name in models:
         return ModelRef(id=name, kind="registry", path=None, entry=models[name])
+    if name == tiny.TINY_ID:
+        return ModelRef(id=name, kind="builtin", path=None, entry=None)
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -87,7 +91,7 @@ def resolve(name: str) -> ModelRef:
         return ModelRef(id=path.name, kind="gguf", path=path, entry=None)
     if "/" in name or os.sep in name or name.startswith("~") or name.lower().endswith(".gguf"):
         raise ModelError(f"no such file or folder: {name}")
-    known = ", ".join(sorted(models))
+    known = ", ".join(sorted([*models, tiny.TINY_ID]))
     raise ModelError(
         f"unknown model {name!r} (known: {known}); "
         "or give a path to a .gguf file or a Hugging Face folder"
@@ -118,7 +122,16 @@ def sha256_file(path: Path, *, progress: Progress | None = None) -> str:
 
 
 def fetch(ref: ModelRef, models_dir: Path, *, progress: Progress | None = None) -> Path:
-    """Return the local weights path of ref, downloading and verifying a registry model once."""
+    """Return the local weights path of ref, downloading and verifying a registry model once
+    (mashbox-tiny: writing it once)."""
+    if ref.kind == "builtin":
+        model_dir = Path(models_dir) / ref.id
+        final = model_dir / tiny.FILENAME
+        if final.is_file():
+            return final
+        model_dir.mkdir(parents=True, exist_ok=True)
+        with _locked(model_dir / ".lock", progress):
+            return tiny.ensure(model_dir)
     if ref.kind != "registry":
         if ref.path is None or not ref.path.exists():
             raise ModelError(f"no such file or folder: {ref.path}")
