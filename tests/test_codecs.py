@@ -32,7 +32,7 @@ def run(encoder, items, end, cached=None) -> list:
 
 
 def test_openai_chat_chunks():
-    encoder = ChatEncoder("m", seed=3, usage_chunk=True)
+    encoder = ChatEncoder("m", "seed-3-fp_abc", usage_chunk=True)
     items = [Reasoning("hm"), Content("Hi"), Content(" there"), CALL, CALL]
     out = [value for _, value in run(encoder, items, lambda e: e.finish(done()))]
     deltas = [o["choices"][0]["delta"] for o in out[:-2]]
@@ -53,11 +53,11 @@ def test_openai_chat_chunks():
     }
     assert out[-1] == "[DONE]"
     assert {o["id"] for o in out[:-1]} == {encoder.rid}
-    assert all(o["system_fingerprint"] == "seed-3" for o in out[:-2])
+    assert all(o["system_fingerprint"] == "seed-3-fp_abc" for o in out[:-2])
 
 
 def test_openai_chat_failure_is_one_error_chunk():
-    encoder = ChatEncoder("m", seed=0, usage_chunk=False)
+    encoder = ChatEncoder("m", "seed-0", usage_chunk=False)
     out = run(encoder, [Content("a")], lambda e: e.fail("boom", 500))
     assert out[-1][1] == {
         "error": {"message": "boom", "type": "server_error", "request_id": encoder.rid}
@@ -65,7 +65,7 @@ def test_openai_chat_failure_is_one_error_chunk():
 
 
 def test_completions_events():
-    encoder = CompletionEncoder("m", seed=1, usage_chunk=False)
+    encoder = CompletionEncoder("m", "seed-1", usage_chunk=False)
     out = [
         v for _, v in run(encoder, [Content("a"), Content("b")], lambda e: e.finish(done("length")))
     ]

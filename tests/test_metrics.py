@@ -240,10 +240,11 @@ def test_cache_namespace_covers_model_weights_tokenizer_template_and_policy():
         def __init__(self, source):
             self.source = source
 
-    def info(ctx=1024, device="cpu"):
+    def info(ctx=1024, device="cpu", decode_weights="float", kernels=""):
         return EngineInfo(
             arch="llama", n_params=1, weight_bytes=1, bits_per_weight=8.0, device=device,
             dtype="float32", n_layers=2, vocab_size=10, max_context=2048, ctx=ctx,
+            decode_weights=decode_weights, kernels=kernels,
         )  # fmt: skip
 
     def ids(model="m", weights="w", tok="t", template="{{x}}", **engine):
@@ -259,6 +260,12 @@ def test_cache_namespace_covers_model_weights_tokenizer_template_and_policy():
     assert other_device.deployment_id != base.deployment_id
     assert other_device.component_set_sha == base.component_set_sha
     assert ids(model="n").component_set_sha == base.component_set_sha
+    # A seeded answer repeats under the model's parts and what computes its steps: not the
+    # name it is served under, nor the context; another decode kind or kernel target differs.
+    assert ids(model="n").answers == ids(ctx=512).answers == base.answers
+    for changed in (ids(weights="v"), ids(decode_weights="int4"), ids(kernels="avx2 (x86-64-v3)")):
+        assert changed.answers != base.answers
+    assert base.system_fingerprint(7) == f"seed-7-fp_{base.answers}" and len(base.answers) == 12
 
 
 def test_weights_sha_is_the_registry_one_or_a_stat_hash(tmp_path):

@@ -202,7 +202,8 @@ def test_unknown_model_lists_known_ids(monkeypatch, tmp_path):
     with pytest.raises(ModelError) as err:
         resolve("gpt-9")
     assert str(err.value) == (
-        "unknown model 'gpt-9' (known: mashbox-tiny, qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct); "
+        "unknown model 'gpt-9' "
+        "(known: mashbox-tiny, qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct); "
         "or give a path to a .gguf file or a Hugging Face folder"
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -332,3 +333,29 @@ def test_head_is_the_ready_check_on_every_path(server):
     for path in ("/health", "/", "/v1/models", "/v1/chat/completions", "/v1/messages", "/nope"):
         r = httpx.head(server.url + path)
         assert r.status_code == 200 and r.content == b"", path
+
+
+def test_every_route_says_what_a_seeded_answer_repeats_under(server):
+    """system_fingerprint is `seed-N-fp_X`: the seed used (a random one echoed) and this
+    deployment's answers id; the same on every route; the echoed seed repeats the answer."""
+    ask = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 1.0}
+    first = httpx.post(server.url + CHAT, json=ask, timeout=60).json()  # no seed: a random one
+    fingerprint = first["system_fingerprint"]
+    m = re.fullmatch(r"seed-(\d+)-(fp_[0-9a-f]{12})", fingerprint)
+    assert m, fingerprint
+    seed, deployment = int(m.group(1)), m.group(2)
+    again = httpx.post(server.url + CHAT, json={**ask, "seed": seed}, timeout=60).json()
+    assert again["system_fingerprint"] == fingerprint
+    assert again["choices"][0]["message"] == first["choices"][0]["message"]
+    seeded = {"seed": 11, "max_tokens": 4}
+    others = [
+        httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", **seeded}, timeout=60),
+        httpx.post(
+            server.url + "/v1/messages",
+            json={"model": "any", "messages": [{"role": "user", "content": "Hi"}], **seeded},
+            timeout=60,
+        ),
+        httpx.post(server.url + "/v1/responses", json={"input": "Hi", **seeded}, timeout=60),
+    ]
+    for r in others:
+        assert r.json()["system_fingerprint"] == f"seed-11-{deployment}", r.text

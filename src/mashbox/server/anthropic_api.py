@@ -13,7 +13,7 @@ from . import chat
 from .chat import Answer, Ping, ToolChoice
 from .driver import Call, Frame, OneFieldFrame, frame
 from .errors import bad_request, not_ready
-from .generation import build_request, encode_prompt
+from .generation import build_request, encode_prompt, system_fingerprint
 from .state import ServerState
 from .validate import Body
 
@@ -257,7 +257,9 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     prompt = prompt_of(state, body)
     ids = await encode_prompt(state, prompt.text, "messages", tenant=tenant, rendered=True)
     request = build_request(body, state, ids, tenant)
-    return Call(request, prompt, MessagesEncoder(body.str("model") or state.model_id, len(ids)))
+    model = body.str("model") or state.model_id
+    encoder = MessagesEncoder(model, len(ids), system_fingerprint(state, request))
+    return Call(request, prompt, encoder)
 
 
 def _event(data: dict) -> Frame:
@@ -271,9 +273,11 @@ class MessagesEncoder:
     ping_every = PING_EVERY
     waits_for_admission = True
 
-    def __init__(self, model: str, prompt_tokens: int):
+    def __init__(self, model: str, prompt_tokens: int, fingerprint: str = ""):
         self.mid = "msg_" + secrets.token_hex(12)
         self.model, self.prompt_tokens = model, prompt_tokens
+        # OpenAI's name for what a seeded answer repeats under; Message allows extra fields.
+        self.fingerprint = {"system_fingerprint": fingerprint} if fingerprint else {}
         self.index = -1
         self.open_kind: str | None = None  # "text" or "thinking": the block now open
         self.piece: OneFieldFrame | None = None  # the open block's delta, its text left open
@@ -289,6 +293,7 @@ class MessagesEncoder:
         message = {
             "id": self.mid, "type": "message", "role": "assistant", "model": self.model,
             "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage,
+            **self.fingerprint,
         }  # fmt: skip
         return [_event({"type": "message_start", "message": message}), _event({"type": "ping"})]
 
@@ -342,6 +347,7 @@ class MessagesEncoder:
             "stop_reason": _stop_reason(done, called),
             "stop_sequence": done.stop_sequence,
             "usage": _usage(done),
+            **self.fingerprint,
         }
 
     def _piece(self, kind: str, text: str) -> list[Frame]:

@@ -116,6 +116,13 @@ async def encode_prompt(
         _tokenizing[tenant] -= 1
 
 
+def system_fingerprint(state: ServerState, request: Request) -> str:
+    """What the request's answer repeats under: its seed and this deployment's answers id."""
+    identity = state.loaded.identity if state.loaded else None
+    seed = request.params.seed
+    return identity.system_fingerprint(seed) if identity else f"seed-{seed}"
+
+
 def prompt_field(body: Body) -> str:
     """The field that holds a request's prompt, for errors to name."""
     return next((k for k in ("messages", "input", "prompt") if k in body.data), "messages")

@@ -22,6 +22,15 @@ class Identity:
     cache_namespace: str  # what cached prompt KV is valid for
     deployment_id: str  # the programs this server runs
     component_set_sha: str  # what the model is made of
+    # What a seeded answer repeats under: the model's parts and what computes its steps
+    # (decode weights, the CPU kernels' target, device, dtype, mashbox and torch). Not the
+    # slots, the context or the load: an answer is the same alone or beside others.
+    answers: str = ""
+
+    def system_fingerprint(self, seed: int) -> str:
+        """`seed-N-fp_X`: a request with seed N answers the same wherever both parts match
+        (the seed alone for a server that does not know its deployment yet)."""
+        return f"seed-{seed}-fp_{self.answers}" if self.answers else f"seed-{seed}"
 
 
 def _sha(value) -> str:
@@ -71,7 +80,17 @@ def model_identity(
             "components": components,
         }
     )
-    return Identity(namespace, deployment, components)
+    answers = _sha(
+        {
+            "mashbox": _version("mashbox"),
+            "torch": _version("torch"),
+            "device": info.device,
+            "dtype": info.dtype,
+            "decode": info.decode,  # decode weights and the kernels' compiler target
+            "components": components,
+        }
+    )
+    return Identity(namespace, deployment, components, answers[:12])
 
 
 def _version(dist: str) -> str | None:

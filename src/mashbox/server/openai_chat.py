@@ -15,7 +15,7 @@ from .chat import Answer, ToolChoice
 from .content import ContentError, text_of
 from .driver import Call, Frame, OneFieldFrame, frame
 from .errors import bad_request
-from .generation import build_request, check_model, encode_prompt
+from .generation import build_request, check_model, encode_prompt, system_fingerprint
 from .state import ServerState
 from .validate import Body
 
@@ -188,7 +188,7 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     )
     ids = await encode_prompt(state, prompt.text, "messages", tenant=tenant, rendered=True)
     request = build_request(body, state, ids, tenant)
-    encoder = ChatEncoder(state.model_id, request.params.seed, include_usage(body))
+    encoder = ChatEncoder(state.model_id, system_fingerprint(state, request), include_usage(body))
     return Call(request, prompt, encoder)
 
 
@@ -198,10 +198,10 @@ class ChatEncoder:
     ping_every = None
     waits_for_admission = False
 
-    def __init__(self, model: str, seed: int, usage_chunk: bool):
+    def __init__(self, model: str, fingerprint: str, usage_chunk: bool):
         self.rid = "chatcmpl-" + secrets.token_hex(12)
         self.base = {"id": self.rid, "created": int(time.time()), "model": model}
-        self.fingerprint = f"seed-{seed}"
+        self.fingerprint = fingerprint
         self.usage_chunk = usage_chunk
         self.calls = 0
         self.content = OneFieldFrame(lambda text: self._chunk({"content": text}))

@@ -12,7 +12,7 @@ from ..events import Finished
 from .chat import Answer
 from .driver import Call, Frame, OneFieldFrame, frame
 from .errors import bad_request
-from .generation import build_request, check_model, encode_prompt
+from .generation import build_request, check_model, encode_prompt, system_fingerprint
 from .openai_chat import error_frame, include_usage, usage_dict
 from .state import ServerState
 from .validate import Body
@@ -35,7 +35,8 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     body.refuse("logprobs", "log probabilities are not returned")
     ids = await encode_prompt(state, completion_prompt(body), "prompt", tenant=tenant)
     request = build_request(body, state, ids, tenant)
-    encoder = CompletionEncoder(state.model_id, request.params.seed, include_usage(body))
+    fingerprint = system_fingerprint(state, request)
+    encoder = CompletionEncoder(state.model_id, fingerprint, include_usage(body))
     return Call(request, None, encoder)
 
 
@@ -45,14 +46,14 @@ class CompletionEncoder:
     ping_every = None
     waits_for_admission = False
 
-    def __init__(self, model: str, seed: int, usage_chunk: bool):
+    def __init__(self, model: str, fingerprint: str, usage_chunk: bool):
         self.rid = "cmpl-" + secrets.token_hex(12)
         self.base = {
             "id": self.rid,
             "object": "text_completion",
             "created": int(time.time()),
             "model": model,
-            "system_fingerprint": f"seed-{seed}",
+            "system_fingerprint": fingerprint,
         }
         self.usage_chunk = usage_chunk
         self.text = OneFieldFrame(lambda text: frame({**self.base, "choices": [_choice(text)]}))

@@ -10,7 +10,7 @@ from ..text.parser import Reasoning, ToolCall
 from . import chat
 from .chat import Answer, ToolChoice
 from .driver import Call, Frame, frame
-from .generation import build_request, encode_prompt
+from .generation import build_request, encode_prompt, system_fingerprint
 from .responses_input import (
     Toolbox,
     input_messages,
@@ -54,6 +54,8 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
         "tool_choice": body.raw("tool_choice", "auto"),
         "tools": body.list("tools") or [],
         "usage": None,
+        # What a seeded answer repeats under (OpenAI's name; Response allows extra fields).
+        "system_fingerprint": system_fingerprint(state, request),
     }
     return Call(request, prompt, ResponsesEncoder(shell, toolbox))
 
