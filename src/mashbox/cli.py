@@ -127,6 +127,32 @@ def _parser() -> argparse.ArgumentParser:
         help="build the CPU kernels now (once per machine; scripts/setup.sh runs it) and say "
         "which compiler target is used and why others were not",
     )
+    what = (
+        "check a running server (mashbox or another): reproducible seeded sampling and "
+        "protocol conformance; exits 1 when a case fails"
+    )
+    check = sub.add_parser("check", help=what, description=what)
+    check.add_argument("url", help="the server's address, e.g. http://127.0.0.1:8000")
+    check.add_argument("--model", help="the model to ask for (default: the first of /v1/models)")
+    check.add_argument(
+        "--api-key",
+        default=os.environ.get("MASHBOX_API_KEY"),
+        help="sent as Bearer and x-api-key (default $MASHBOX_API_KEY)",
+    )
+    check.add_argument("--seed", type=int, default=1234, help="the seed asked for (default 1234)")
+    check.add_argument(
+        "--restart-cmd",
+        metavar="CMD",
+        help="a shell command that restarts the server, returning once the old one has "
+        "stopped; the check then waits for /health and asks for the seeded text again",
+    )
+    check.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds for one answer, and for the server to answer again after --restart-cmd "
+        "(default 120)",
+    )
     return parser
 
 
@@ -168,6 +194,18 @@ def main(argv=None) -> int:
         return run(args.model, opts)
     if args.command == "kernels":
         return kernels()
+    if args.command == "check":
+        from .check.runner import check
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+        return check(
+            args.url,
+            model=args.model,
+            api_key=args.api_key,
+            seed=args.seed,
+            restart_cmd=args.restart_cmd,
+            timeout=args.timeout,
+        )
     return 2
 
 
