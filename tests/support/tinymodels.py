@@ -217,3 +217,76 @@ def step_by_step(
         for s, seq in enumerate(seqs):
             seq.append(tokens[s])
     return seqs
+
+
+# What sets each architecture the engine loads apart in a GGUF file. llama.cpp's converter
+# permutes the Llama-style ones' Q/K rows (write_gguf does it for "llama" only); Qwen3 has
+# per-head RMS norms on q and k; the small Qwen models tie their embeddings.
+FAMILIES = {
+    "llama": {"qkv_bias": False, "qk_norm": False, "tied": False, "permuted": True},
+    "mistral": {"qkv_bias": False, "qk_norm": False, "tied": False, "permuted": True},
+    "qwen2": {"qkv_bias": True, "qk_norm": False, "tied": True, "permuted": False},
+    "qwen3": {"qkv_bias": False, "qk_norm": True, "tied": True, "permuted": False},
+}
+
+# How build_tiny_model stores the matrices: float32, Q8_0, or the 4-bit blocks the int4
+# decode kinds read exactly (Q4_1, and Q4_0 for the embedding and head, so both are read).
+QUANTS = ("f32", "q8_0", "q4")
+
+
+def _qtype_for(quant: str):
+    Q = gguf.GGMLQuantizationType
+    if quant == "f32":
+        return None
+    if quant == "q8_0":
+        return lambda name: Q.Q8_0
+    if quant == "q4":
+        return lambda name: Q.Q4_0 if name in ("token_embd.weight", "output.weight") else Q.Q4_1
+    raise ValueError(f"unknown quant {quant!r} ({', '.join(QUANTS)})")
+
+
+def build_tiny_model(
+    workdir: Path, *, family: str, tokenizer: str, quant: str = "q8_0", seed: int = 2
+) -> Path:
+    """A 2-layer model of any family in FAMILIES with a tiny vocabulary of either kind
+    (tinytok.TOKENIZER_KINDS), its matrices stored as `quant` (QUANTS), as GGUF. The default
+    seed gives every family varied greedy text (many seeds repeat one token)."""
+    from . import tinytok
+
+    traits = FAMILIES[family]
+    qtype_of = _qtype_for(quant)
+    workdir.mkdir(parents=True, exist_ok=True)
+    vocab, add_tokenizer = tinytok.train_tokenizer(workdir, tokenizer)
+    n_heads, n_kv_heads = 4, 2
+    weights = random_weights(
+        vocab=vocab,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        qkv_bias=traits["qkv_bias"],
+        tied=traits["tied"],
+        seed=seed,
+    )
+    if traits["tied"]:
+        # A head as large as the embedding reads its input token back, every step.
+        weights["token_embd.weight"] *= 0.1
+    n_layers = sum(1 for k in weights if k.endswith("attn_norm.weight"))
+    head_dim = weights["token_embd.weight"].shape[1] // n_heads
+    rng = np.random.default_rng(seed + 1)
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        if traits["qk_norm"]:
+            for name in ("attn_q_norm.weight", "attn_k_norm.weight"):
+                weights[p + name] = (1.0 + 0.1 * rng.standard_normal(head_dim)).astype(np.float32)
+        if traits["permuted"] and family != "llama":
+            q, k = p + "attn_q.weight", p + "attn_k.weight"
+            weights[q] = permute_rope_rows(weights[q], n_heads)
+            weights[k] = permute_rope_rows(weights[k], n_kv_heads)
+    return write_gguf(
+        workdir / f"tiny-{family}-{tokenizer}-{quant}.gguf",
+        weights,
+        add_tokenizer,
+        arch=family,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        qtype_of=qtype_of,
+    )

@@ -8,6 +8,7 @@ SentencePiece BPE vocabulary (GGUF model 'llama') and a byte-level BPE one (GGUF
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -218,3 +219,22 @@ def add_bpe_tokenizer(
     writer.add_add_bos_token(False)
     writer.add_chat_template(chat_template)
     return len(tokens)
+
+
+TOKENIZER_KINDS = ("sentencepiece", "bpe")
+
+
+def train_tokenizer(workdir: Path, kind: str) -> tuple[int, Callable[[gguf.GGUFWriter], int]]:
+    """Train a tiny tokenizer of one of TOKENIZER_KINDS; return its vocabulary size and the
+    function that writes it into a GGUF file (write_gguf's add_tokenizer).
+
+    The byte-level BPE one keeps Qwen2's pre-tokenizer whatever the model family: it is the
+    vocabulary's own, as a converter would name it."""
+    if kind == "sentencepiece":
+        model_path = train_spm(workdir)
+        size = spm.SentencePieceProcessor(model_file=str(model_path)).get_piece_size()
+        return size, lambda writer: add_spm_tokenizer(writer, model_path)
+    if kind == "bpe":
+        tok = train_bpe(workdir)
+        return tok.get_vocab_size(), lambda writer: add_bpe_tokenizer(writer, tok, pre="qwen2")
+    raise ValueError(f"unknown tokenizer kind {kind!r} ({', '.join(TOKENIZER_KINDS)})")
