@@ -93,9 +93,9 @@ def _write_gguf(path: Path, spm_model: Path) -> None:
     writer.add_head_count_kv(N_KV_HEADS)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    _add_vocabulary(writer, sp, gguf.TokenType)
+    add_spm_vocabulary(writer, sp)
     # (Random Q and K rows need no llama.cpp row order: any order is as random.)
-    for name, array in _weights(sp.get_piece_size()).items():
+    for name, array in random_weights(vocab=sp.get_piece_size()).items():
         if array.ndim == 2:
             q = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
@@ -107,8 +107,20 @@ def _write_gguf(path: Path, spm_model: Path) -> None:
     writer.close()
 
 
-def _add_vocabulary(writer, sp, kinds) -> None:
-    """The tokenizer.ggml.* keys, as llama.cpp's converter writes a SentencePiece model's."""
+def add_spm_vocabulary(
+    writer,
+    sp,
+    *,
+    chat_template: str = CHATML_TEMPLATE,
+    user_defined: frozenset[str] = frozenset(),
+    add_space_prefix: bool = True,
+) -> int:
+    """Write a SentencePiece model's tokenizer.ggml.* keys as llama.cpp's converter does: the
+    special tokens are CONTROL, `user_defined` pieces (tags shown as text) USER_DEFINED, eos is
+    <|im_end|>. Return the vocabulary size. (The tests' tiny models are written with it too.)"""
+    import gguf
+
+    kinds = gguf.TokenType
     tokens, scores, types = [], [], []
     for i in range(sp.get_piece_size()):
         piece = sp.id_to_piece(i)
@@ -116,6 +128,10 @@ def _add_vocabulary(writer, sp, kinds) -> None:
             kind = kinds.UNKNOWN
         elif sp.is_control(i) or piece in SPECIAL_TOKENS:
             kind = kinds.CONTROL
+        elif piece in user_defined:
+            kind = kinds.USER_DEFINED
+        elif sp.is_unused(i):
+            kind = kinds.UNUSED
         elif sp.is_byte(i):
             kind = kinds.BYTE
         else:
@@ -133,14 +149,27 @@ def _add_vocabulary(writer, sp, kinds) -> None:
     writer.add_unk_token_id(sp.unk_id())
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
-    writer.add_add_space_prefix(True)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    writer.add_add_space_prefix(add_space_prefix)
+    writer.add_chat_template(chat_template)
+    return len(tokens)
 
 
-def _weights(vocab: int) -> dict[str, np.ndarray]:
-    """Seeded random weights under GGUF names."""
-    rng = np.random.default_rng(0)
-    head_dim = D_MODEL // N_HEADS
+def random_weights(
+    *,
+    vocab: int,
+    d_model: int = D_MODEL,
+    n_layers: int = N_LAYERS,
+    n_heads: int = N_HEADS,
+    n_kv_heads: int = N_KV_HEADS,
+    d_ff: int = D_FF,
+    qkv_bias: bool = False,
+    tied: bool = False,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Seeded random float32 weights under GGUF names, Q/K in Hugging Face (rotate-half) order.
+    (The tests' tiny models are made with it too.)"""
+    rng = np.random.default_rng(seed)
+    head_dim = d_model // n_heads
 
     def mat(rows, cols, scale=None):
         return (rng.standard_normal((rows, cols)) * (scale or cols**-0.5)).astype(np.float32)
@@ -148,17 +177,22 @@ def _weights(vocab: int) -> dict[str, np.ndarray]:
     def norm(n):
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    w = {"token_embd.weight": mat(vocab, D_MODEL, 1.0), "output_norm.weight": norm(D_MODEL)}
-    w["output.weight"] = mat(vocab, D_MODEL)
-    for i in range(N_LAYERS):
+    w = {"token_embd.weight": mat(vocab, d_model, 1.0), "output_norm.weight": norm(d_model)}
+    if not tied:
+        w["output.weight"] = mat(vocab, d_model)
+    for i in range(n_layers):
         p = f"blk.{i}."
-        w[p + "attn_norm.weight"] = norm(D_MODEL)
-        w[p + "attn_q.weight"] = mat(N_HEADS * head_dim, D_MODEL)
-        w[p + "attn_k.weight"] = mat(N_KV_HEADS * head_dim, D_MODEL)
-        w[p + "attn_v.weight"] = mat(N_KV_HEADS * head_dim, D_MODEL)
-        w[p + "attn_output.weight"] = mat(D_MODEL, N_HEADS * head_dim)
-        w[p + "ffn_norm.weight"] = norm(D_MODEL)
-        w[p + "ffn_gate.weight"] = mat(D_FF, D_MODEL)
-        w[p + "ffn_up.weight"] = mat(D_FF, D_MODEL)
-        w[p + "ffn_down.weight"] = mat(D_MODEL, D_FF)
+        w[p + "attn_norm.weight"] = norm(d_model)
+        w[p + "attn_q.weight"] = mat(n_heads * head_dim, d_model)
+        w[p + "attn_k.weight"] = mat(n_kv_heads * head_dim, d_model)
+        w[p + "attn_v.weight"] = mat(n_kv_heads * head_dim, d_model)
+        if qkv_bias:
+            for name, n in (("q", n_heads), ("k", n_kv_heads), ("v", n_kv_heads)):
+                bias = 0.1 * rng.standard_normal(n * head_dim)
+                w[p + f"attn_{name}.bias"] = bias.astype(np.float32)
+        w[p + "attn_output.weight"] = mat(d_model, n_heads * head_dim)
+        w[p + "ffn_norm.weight"] = norm(d_model)
+        w[p + "ffn_gate.weight"] = mat(d_ff, d_model)
+        w[p + "ffn_up.weight"] = mat(d_ff, d_model)
+        w[p + "ffn_down.weight"] = mat(d_model, d_ff)
     return w

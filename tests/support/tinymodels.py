@@ -14,50 +14,7 @@ import numpy as np
 
 from mashbox.engine.weights import permute_rope_rows
 from mashbox.protocol import Admit, Decode, Prefill, SamplingParams, Step
-
-
-def random_weights(
-    *,
-    vocab: int,
-    d_model: int = 64,
-    n_layers: int = 2,
-    n_heads: int = 4,
-    n_kv_heads: int = 2,
-    d_ff: int = 128,
-    qkv_bias: bool = False,
-    tied: bool = False,
-    seed: int = 0,
-) -> dict[str, np.ndarray]:
-    """Random float32 weights under GGUF names, Q/K in Hugging Face (rotate-half) order."""
-    rng = np.random.default_rng(seed)
-    head_dim = d_model // n_heads
-
-    def mat(rows, cols, scale=None):
-        return (rng.standard_normal((rows, cols)) * (scale or cols**-0.5)).astype(np.float32)
-
-    def norm(n):
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    w = {"token_embd.weight": mat(vocab, d_model, 1.0), "output_norm.weight": norm(d_model)}
-    if not tied:
-        w["output.weight"] = mat(vocab, d_model)
-    for i in range(n_layers):
-        p = f"blk.{i}."
-        w[p + "attn_norm.weight"] = norm(d_model)
-        w[p + "attn_q.weight"] = mat(n_heads * head_dim, d_model)
-        w[p + "attn_k.weight"] = mat(n_kv_heads * head_dim, d_model)
-        w[p + "attn_v.weight"] = mat(n_kv_heads * head_dim, d_model)
-        if qkv_bias:
-            for name, n in (("q", n_heads), ("k", n_kv_heads), ("v", n_kv_heads)):
-                w[p + f"attn_{name}.bias"] = (0.1 * rng.standard_normal(n * head_dim)).astype(
-                    np.float32
-                )
-        w[p + "attn_output.weight"] = mat(d_model, n_heads * head_dim)
-        w[p + "ffn_norm.weight"] = norm(d_model)
-        w[p + "ffn_gate.weight"] = mat(d_ff, d_model)
-        w[p + "ffn_up.weight"] = mat(d_ff, d_model)
-        w[p + "ffn_down.weight"] = mat(d_model, d_ff)
-    return w
+from mashbox.tiny import random_weights
 
 
 def write_gguf(

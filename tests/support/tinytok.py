@@ -137,47 +137,18 @@ def add_spm_tokenizer(
     user_defined: frozenset[str] = frozenset(),
     add_space_prefix: bool = True,
 ) -> int:
-    """Write a SentencePiece model's tokenizer.ggml.* keys as llama.cpp's converter does.
-
-    SPECIAL_TOKENS become CONTROL tokens, as the converter makes added tokens marked
-    special; `user_defined` pieces (tags shown as text) become USER_DEFINED; eos is
-    <|im_end|>. Return the vocabulary size.
-    """
-    import gguf
+    """Write a SentencePiece model's tokenizer.ggml.* keys (mashbox.tiny's writer, which
+    mashbox-tiny uses too); return the vocabulary size."""
+    from mashbox.tiny import add_spm_vocabulary
 
     sp = spm.SentencePieceProcessor(model_file=str(model_path))
-    special = set(SPECIAL_TOKENS)
-    tokens, scores, types = [], [], []
-    for i in range(sp.get_piece_size()):
-        piece = sp.id_to_piece(i)
-        if sp.is_unknown(i):
-            kind = gguf.TokenType.UNKNOWN
-        elif sp.is_control(i) or piece in special:
-            kind = gguf.TokenType.CONTROL
-        elif piece in user_defined:
-            kind = gguf.TokenType.USER_DEFINED
-        elif sp.is_unused(i):
-            kind = gguf.TokenType.UNUSED
-        elif sp.is_byte(i):
-            kind = gguf.TokenType.BYTE
-        else:
-            kind = gguf.TokenType.NORMAL
-        tokens.append(piece.encode("utf-8"))
-        scores.append(sp.get_score(i))
-        types.append(kind)
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(sp.bos_id())
-    writer.add_eos_token_id(sp.piece_to_id("<|im_end|>"))
-    writer.add_unk_token_id(sp.unk_id())
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    writer.add_add_space_prefix(add_space_prefix)
-    writer.add_chat_template(chat_template)
-    return len(tokens)
+    return add_spm_vocabulary(
+        writer,
+        sp,
+        chat_template=chat_template,
+        user_defined=user_defined,
+        add_space_prefix=add_space_prefix,
+    )
 
 
 def bpe_merges(tok: tokenizers.Tokenizer) -> list[str]:
