@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import gguf
 import numpy as np
 import pytest
@@ -148,6 +150,38 @@ def reference_logprobs(w: dict, ids: list[int]) -> torch.Tensor:
     hidden = reference_hidden(w, ids)
     head = torch.from_numpy(w.get("output.weight", w["token_embd.weight"]))
     return torch.log_softmax(hidden[-1] @ head.T, -1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_log_probabilities_are_the_models_before_sampling(tiny, temperature):
+    """Each sampled token's log-prob and the 5 likeliest tokens' are the model's float32
+    log-softmax at its position (the independent reference), whatever the temperature; a
+    slot that asks for none gets none."""
+    _, w, path = tiny
+    engine = Engine(path, slots=2, ctx=64)
+    prompt = (4, 8, 15, 16, 23, 42)
+    asks = SamplingParams(temperature=temperature, seed=5, logprobs=5)
+    res = engine.step(
+        Step(
+            admits=(Admit(0, asks, prompt), Admit(1, SamplingParams(), prompt)),
+            prefills=(Prefill(0, 0, prompt, True), Prefill(1, 0, prompt, True)),
+        )
+    )
+    seq, readings = list(prompt), []
+    for _ in range(6):
+        assert 1 not in res.logprobs
+        readings.append((list(seq), res.tokens[0], res.logprobs[0]))
+        seq.append(res.tokens[0])
+        res = engine.step(Step(decodes=(Decode(0, seq[-1], len(seq) - 1),)))
+    for ids, token, (chosen, top) in readings:
+        ref = reference_logprobs(w, ids)
+        assert chosen == pytest.approx(float(ref[token]), abs=1e-4)
+        best = ref.topk(5)
+        assert [t for t, _ in top] == best.indices.tolist()
+        assert [v for _, v in top] == pytest.approx(best.values.tolist(), abs=1e-4)
+        assert sum(math.exp(v) for _, v in top) <= 1 + 1e-6
+        if temperature == 0.0:
+            assert top[0][0] == token  # greedy takes the likeliest
 
 
 def test_decide_reads_branches_after_the_prefix_like_whole_prompts(tiny):

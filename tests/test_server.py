@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 
@@ -359,3 +360,53 @@ def test_every_route_says_what_a_seeded_answer_repeats_under(server):
     ]
     for r in others:
         assert r.json()["system_fingerprint"] == f"seed-11-{deployment}", r.text
+
+
+def _logprob_checks(lp: dict, top_n: int, greedy: bool) -> None:
+    """Each token's entry: its text among its top list (at most top_n others), the top
+    list a distribution's slice, the sampled token the likeliest at greedy."""
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
+    entries = zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True)
+    for token, value, top in entries:
+        assert top[token] == value and value <= 0
+        assert len(top) <= top_n + 1
+        assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-6
+        if greedy:
+            assert value == max(top.values())
+
+
+def test_completions_log_probabilities_whole_and_streamed(server):
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "logprobs": 3}
+    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    choice = whole["choices"][0]
+    lp = choice["logprobs"]
+    _logprob_checks(lp, 3, greedy=True)
+    assert len(lp["tokens"]) == whole["usage"]["completion_tokens"] or choice["finish_reason"]
+    if "\ufffd" not in "".join(lp["tokens"]):  # no token is a piece of a character
+        assert "".join(lp["tokens"]) == choice["text"]
+        assert lp["text_offset"] == [
+            len("".join(lp["tokens"][:i])) for i in range(len(lp["tokens"]))
+        ]
+    r = httpx.post(server.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+    chunks = [e for e in sse_events(r.text) if e != "[DONE]" and e["choices"]]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0].get("logprobs")]
+    assert [t for part in streamed for t in part["tokens"]] == lp["tokens"]
+    # (The second asking reads its prompt from the cache: the same values to float32's noise.)
+    values = [v for part in streamed for v in part["token_logprobs"]]
+    assert values == pytest.approx(lp["token_logprobs"], abs=1e-4)
+    assert [o for part in streamed for o in part["text_offset"]] == lp["text_offset"]
+    sampled = httpx.post(
+        server.url + "/v1/completions",
+        json={**body, "logprobs": 0, "temperature": 1.0, "seed": 3},
+        timeout=60,
+    ).json()
+    _logprob_checks(sampled["choices"][0]["logprobs"], 0, greedy=False)
+    plain = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert "logprobs" not in plain.json()["choices"][0]  # asked for by nobody: not there
+
+
+@pytest.mark.parametrize("value", [6, -1, True, 1.5, "2"])
+def test_completions_logprobs_out_of_range_is_400(server, value):
+    body = {"prompt": "x", "max_tokens": 2, "logprobs": value}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import attrs
 
-from .events import Admitted, Decision, Embedding, Failed, Finished, TextDelta
+from .events import Admitted, Decision, Embedding, Failed, Finished, TextDelta, TokenLogprob
 from .kv_moves import KVMoves
 from .observer import Observer, Stats
 from .placement import pair, pick
@@ -259,7 +259,7 @@ class Batch:
             elif p.sample:
                 prompt_tokens += len(seq.request.prompt_ids)
                 generated += 1
-                self._on_token(seq, tokens[p.slot], now)
+                self._on_token(seq, tokens[p.slot], now, result.logprobs.get(p.slot))
         for d in step.decides:
             seq = owner(d.slot)
             if seq is None:
@@ -280,10 +280,11 @@ class Batch:
                 seq.output_ids[d.position - len(seq.request.prompt_ids)]
             )
             generated += 1
-            self._on_token(seq, tokens[d.slot], now)
+            self._on_token(seq, tokens[d.slot], now, result.logprobs.get(d.slot))
         self.observer.stepped(prompt_tokens, generated, result.forwards, result.elapsed_s)
 
-    def _on_token(self, seq: Sequence, token: int, now: float) -> None:
+    def _on_token(self, seq: Sequence, token: int, now: float, logprob=None) -> None:
+        """logprob: (the token's log-prob, the likeliest tokens') where the request asked."""
         if seq.t_first is None:
             seq.t_first = now
         seq.t_last = now
@@ -292,22 +293,29 @@ class Batch:
             return self._finish(seq, "stop")
         text, stopped = seq.stops.feed(seq.detok.feed(token))
         seq.unsent_tokens += 1
+        if logprob is not None:
+            seq.unsent_logprobs.append(TokenLogprob(token, *logprob))
         if text:
-            seq.outbox.append(TextDelta(text, seq.unsent_tokens))
-            seq.emitted, seq.unsent_tokens = True, 0
+            self._emit(seq, text)
         if stopped:
             return self._finish(seq, "stop", flush=False)
         n_prompt, n_out = len(seq.request.prompt_ids), len(seq.output_ids)
         if n_out >= seq.request.max_tokens or n_prompt + n_out >= self.ctx:
             self._finish(seq, "length")
 
+    @staticmethod
+    def _emit(seq: Sequence, text: str) -> None:
+        """Text for the route, with the tokens it is the text of and their log-probs."""
+        seq.outbox.append(TextDelta(text, seq.unsent_tokens, tuple(seq.unsent_logprobs)))
+        seq.emitted, seq.unsent_tokens = True, 0
+        seq.unsent_logprobs.clear()
+
     def _finish(self, seq: Sequence, reason: str, *, flush: bool = True) -> None:
         if flush:
             text, _ = seq.stops.feed(seq.detok.flush())
             text += seq.stops.flush()
             if text:
-                seq.outbox.append(TextDelta(text, seq.unsent_tokens))
-                seq.emitted, seq.unsent_tokens = True, 0
+                self._emit(seq, text)
         finished = Finished(reason, seq.usage(), seq.timings(), seq.stops.matched)
         seq.finished = finished
         n = len(seq.output_ids)

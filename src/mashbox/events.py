@@ -29,13 +29,24 @@ class QueueFull(Exception):
 
 
 @attrs.frozen
+class TokenLogprob:
+    """One generated token's log-probability, and the likeliest tokens' at its position
+    (the model's log-softmax before temperature and penalties), likeliest first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
 class TextDelta:
     """New text of the answer, and how many generated tokens it is the text of (a token
     whose text is held back, half a character or a possible stop string, counts with the
-    text that releases it)."""
+    text that releases it), with those tokens' log-probabilities where they were asked for."""
 
     text: str
     tokens: int = 1
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.frozen

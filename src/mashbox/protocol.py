@@ -39,6 +39,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int = 0
+    # Log-probabilities with each sampled token: -1 none, 0 the sampled token's alone, k also
+    # the k likeliest tokens' (the model's log-softmax, before temperature and penalties).
+    logprobs: int = -1
 
 
 @message
@@ -171,6 +174,9 @@ class StepResult:
     forwards: int = 0  # model forward passes the step ran (prefill chunks, decode, reads)
     compiles: int = 0  # programs the engine process has compiled so far, this step included
     joined: bool = False  # the step sent after this one (its join) ran inside it
+    # slot -> (the sampled token's log-prob, ((token, log-prob), ...) the likeliest first),
+    # for slots whose SamplingParams ask for log-probs.
+    logprobs: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = attrs.Factory(dict)
 
 
 @message

@@ -185,9 +185,10 @@ class Engine:
         for admit in step.admits:
             self.slots[admit.slot] = _SlotState(admit, self.cfg.vocab_size, self.device)
         tokens: dict[int, int] = {}
+        logprobs: dict[int, tuple] = {}
         embeddings: dict[int, tuple[float, ...]] = {}
         generation = [p for p in step.prefills if not p.pool]
-        self._prefill(generation, tokens)
+        self._prefill(generation, tokens, logprobs)
         pooling = [p for p in step.prefills if p.pool]
         for p in pooling:
             ids = torch.tensor(p.token_ids, dtype=torch.long, device=self.device)
@@ -211,6 +212,7 @@ class Engine:
                     tokens[d.slot] = self.slots[d.slot].last = picks[row]
                 else:
                     tokens[d.slot] = self._sample(d.slot, logits[row], d.position + 1)
+                self._read_logprobs(d.slot, logits[row], tokens[d.slot], logprobs)
         decisions, forwards = {}, bool(generation) + len(pooling) + bool(step.decodes)
         for d in step.decides:
             decisions[d.slot], reads = self._decide(d)
@@ -218,9 +220,11 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
-        return StepResult(tokens, elapsed, embeddings, decisions, forwards, compiles_so_far())
+        return StepResult(
+            tokens, elapsed, embeddings, decisions, forwards, compiles_so_far(), logprobs=logprobs
+        )
 
-    def _prefill(self, prefills: list, tokens: dict[int, int]) -> None:
+    def _prefill(self, prefills: list, tokens: dict[int, int], logprobs: dict) -> None:
         """Every generation prefill of the step in one forward; sample where a prompt ends."""
         if not prefills:
             return
@@ -238,6 +242,7 @@ class Engine:
             logits = self.model.logits(hidden[[row for _, row in rows]])
             for i, (p, _) in enumerate(rows):
                 tokens[p.slot] = self._sample(p.slot, logits[i], p.start + len(p.token_ids))
+                self._read_logprobs(p.slot, logits[i], tokens[p.slot], logprobs)
 
     def _decide(self, decide: Decide) -> tuple[tuple, int]:
         """Each branch's candidate log-probs (float32, over the whole vocabulary), and the
@@ -270,6 +275,19 @@ class Engine:
         if last is None:
             raise ValueError(f"slot {decode.slot} has sampled nothing to feed back")
         return last
+
+    def _read_logprobs(self, slot: int, logits: torch.Tensor, token: int, out: dict) -> None:
+        """The sampled token's log-prob and the likeliest tokens', where the slot asks: the
+        model's float32 log-softmax, before temperature and penalties (as OpenAI and vLLM)."""
+        top = self.slots[slot].params.logprobs
+        if top < 0:
+            return
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        alternatives = ()
+        if top:
+            values, ids = torch.topk(lp, min(top, lp.shape[-1]))
+            alternatives = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        out[slot] = (float(lp[token]), alternatives)
 
     def _sample(self, slot: int, logits: torch.Tensor, position: int) -> int:
         state = self.slots[slot]

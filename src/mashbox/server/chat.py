@@ -12,7 +12,7 @@ import json
 import attrs
 import trio
 
-from ..events import Admitted, Failed, Finished, Restarted, TextDelta
+from ..events import Admitted, Failed, Finished, Restarted, TextDelta, TokenLogprob
 from ..text.chat_template import ChatTemplateError
 from ..text.parser import (
     Content,
@@ -190,6 +190,13 @@ def render(
 
 
 @attrs.frozen
+class Logprobs:
+    """The log-probabilities of the tokens whose text comes next (plain completions)."""
+
+    entries: tuple[TokenLogprob, ...]
+
+
+@attrs.frozen
 class Ping:
     """Nothing happened for a while (streams send a keep-alive event)."""
 
@@ -331,6 +338,7 @@ class Answer:
 
     events: list  # Reasoning, Content, ToolCall, InvalidToolCall (merged where adjacent)
     done: Finished
+    logprobs: tuple[TokenLogprob, ...] = ()  # where asked for (plain completions)
 
     def text(self, kind=Content) -> str:
         """The joined text of one kind (InvalidToolCall markup counts as content)."""
@@ -349,27 +357,34 @@ async def collect(events, prompt: ChatPrompt | None, failure) -> Answer:
     Without a prompt (text completions) the text is not parsed: it is all content.
     """
     items: list = []
+    logprobs: list[TokenLogprob] = []
     source = plain_events(events) if prompt is None else parsed(events, prompt)
     async with events:
         async for event in source:
+            if isinstance(event, Logprobs):
+                logprobs.extend(event.entries)
+                continue
             if isinstance(event, Finished):
-                answer = Answer(merge(items), event)
+                answer = Answer(merge(items), event, tuple(logprobs))
                 if answer.calls:
                     events.mark_called_tools()
                 return answer
             if isinstance(event, Failed):
                 raise failure(event)
             if isinstance(event, Restarted):
-                items = []  # the engine failed before the client got anything: again
+                items, logprobs = [], []  # the engine failed before the client got anything
             else:
                 items.append(event)
     raise ApiError(500, "the request was dropped before it finished", type="server_error")
 
 
 async def plain_events(events):
-    """Scheduler events with text as Content, unparsed (plain completions)."""
+    """Scheduler events with text as Content, unparsed (plain completions); the Logprobs of
+    its tokens, where asked for, just before it."""
     async for event in events:
         if isinstance(event, TextDelta):
+            if event.logprobs:
+                yield Logprobs(event.logprobs)
             yield Content(event.text)
         elif isinstance(event, Finished | Failed | Restarted):
             yield event

@@ -23,7 +23,7 @@ from ..events import Failed, Finished, NotReady, QueueFull, Request, Restarted
 from ..scheduler import RequestEvents
 from ..text.parser import ToolCall
 from . import chat
-from .chat import Answer, ChatPrompt, Ping
+from .chat import Answer, ChatPrompt, Logprobs, Ping
 from .errors import ApiError, not_ready, queue_full
 from .generation import log_request, log_tag
 from .state import ServerState
@@ -168,7 +168,7 @@ async def _stream(events: RequestEvents, call: Call, logged) -> AsyncIterator[Fr
                 return
             if isinstance(item, Restarted):  # nothing was sent before a restart
                 continue
-            if not isinstance(item, Ping):
+            if not isinstance(item, Ping | Logprobs):
                 # Output now reaches the client: a fault can no longer run it again. Text the
                 # parser still holds back (a tool call's start) has not, so it still can.
                 events.mark_delivered()

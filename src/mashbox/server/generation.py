@@ -30,8 +30,9 @@ def check_model(body: Body, state: ServerState) -> None:
         )
 
 
-def sampling_params(body: Body) -> SamplingParams:
-    """Every sampling field with the seed's ranges; out of range is a 400 naming the field."""
+def sampling_params(body: Body, logprobs: int = -1) -> SamplingParams:
+    """Every sampling field with the seed's ranges; out of range is a 400 naming the field.
+    logprobs: -1 none, else the likeliest tokens to report with each sampled one."""
     if body.int("n", 1) != 1:
         raise bad_request("n must be 1", "n")
     seed = body.int("seed")
@@ -44,6 +45,7 @@ def sampling_params(body: Body) -> SamplingParams:
         frequency_penalty=body.number("frequency_penalty", 0.0, lo=-2, hi=2),
         presence_penalty=body.number("presence_penalty", 0.0, lo=-2, hi=2),
         seed=random_seed() if seed is None else seed,
+        logprobs=logprobs,
     )
 
 
@@ -128,7 +130,9 @@ def prompt_field(body: Body) -> str:
     return next((k for k in ("messages", "input", "prompt") if k in body.data), "messages")
 
 
-def build_request(body: Body, state: ServerState, prompt_ids: list[int], tenant: str) -> Request:
+def build_request(
+    body: Body, state: ServerState, prompt_ids: list[int], tenant: str, *, logprobs: int = -1
+) -> Request:
     """Check the prompt fits the context and gather the generation fields."""
     if len(prompt_ids) >= state.ctx:
         raise too_long(
@@ -138,7 +142,7 @@ def build_request(body: Body, state: ServerState, prompt_ids: list[int], tenant:
         )
     return Request(
         prompt_ids=tuple(prompt_ids),
-        params=sampling_params(body),
+        params=sampling_params(body, logprobs),
         max_tokens=max_new_tokens(body, len(prompt_ids), state.ctx),
         stop=stop_strings(body),
         tenant=tenant,

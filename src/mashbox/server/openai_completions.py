@@ -8,8 +8,8 @@ import time
 
 import attrs
 
-from ..events import Finished
-from .chat import Answer
+from ..events import Finished, TokenLogprob
+from .chat import Answer, Logprobs
 from .driver import Call, Frame, OneFieldFrame, frame
 from .errors import bad_request
 from .generation import build_request, check_model, encode_prompt, system_fingerprint
@@ -32,11 +32,13 @@ def completion_prompt(body: Body) -> str:
 
 async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     check_model(body, state)
-    body.refuse("logprobs", "log probabilities are not returned")
+    top = body.int("logprobs", lo=0, hi=MAX_LOGPROBS)  # None: none asked for
     ids = await encode_prompt(state, completion_prompt(body), "prompt", tenant=tenant)
-    request = build_request(body, state, ids, tenant)
+    request = build_request(body, state, ids, tenant, logprobs=-1 if top is None else top)
     fingerprint = system_fingerprint(state, request)
     encoder = CompletionEncoder(state.model_id, fingerprint, include_usage(body))
+    if top is not None:
+        encoder.token_text = _token_text(state.tokenizer)
     return Call(request, None, encoder)
 
 
@@ -47,6 +49,9 @@ class CompletionEncoder:
     waits_for_admission = False
 
     def __init__(self, model: str, fingerprint: str, usage_chunk: bool):
+        self.token_text = None  # id -> its text, where log-probs were asked for
+        self.pending: list[TokenLogprob] = []  # those of the text that comes next
+        self.offset = 0  # characters of the answer so far (each token's text_offset)
         self.rid = "cmpl-" + secrets.token_hex(12)
         self.base = {
             "id": self.rid,
@@ -62,7 +67,14 @@ class CompletionEncoder:
         return []
 
     def feed(self, item) -> list[Frame]:
-        return [self.text(item.text)]
+        if isinstance(item, Logprobs):
+            self.pending.extend(item.entries)
+            return []
+        if self.token_text is None:
+            return [self.text(item.text)]
+        choice = {**_choice(item.text), "logprobs": self._logprobs(self.pending)}
+        self.pending = []
+        return [frame({**self.base, "choices": [choice]})]
 
     def finish(self, done: Finished) -> list[Frame]:
         timings = attrs.asdict(done.timings)
@@ -79,10 +91,46 @@ class CompletionEncoder:
         done = answer.done
         return {
             **self.base,
-            "choices": [{"index": 0, "text": answer.text(), "finish_reason": done.reason}],
+            "choices": [
+                {
+                    "index": 0,
+                    "text": answer.text(),
+                    "finish_reason": done.reason,
+                    **self._logprobs_field(answer.logprobs),
+                }
+            ],  # fmt: skip
             "usage": usage_dict(done.usage, details=False),
             "timings": attrs.asdict(done.timings),
         }
+
+    def _logprobs_field(self, entries) -> dict:
+        return {} if self.token_text is None else {"logprobs": self._logprobs(entries)}
+
+    def _logprobs(self, entries) -> dict:
+        """OpenAI's completions log-probs of these tokens: each one's text, log-prob, the
+        likeliest tokens' (the sampled one always among them) and where its text starts."""
+        name = self.token_text
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            text = name(e.token)
+            top: dict[str, float] = {}
+            for t, lp in e.top:  # tokens that spell alike (pieces of characters): the likeliest
+                top.setdefault(name(t), lp)
+            top[text] = e.logprob  # the sampled token's own entry, always
+            out["tokens"].append(text)
+            out["token_logprobs"].append(e.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+MAX_LOGPROBS = 5  # OpenAI's bound for completions
+
+
+def _token_text(tokenizer):
+    """A token's text as the answer spells it (U+FFFD for a piece of a character)."""
+    return lambda token: tokenizer.token_bytes(token).decode("utf-8", errors="replace")
 
 
 def _choice(text: str, finish=None) -> dict:
