@@ -36,9 +36,8 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     ids = await encode_prompt(state, completion_prompt(body), "prompt", tenant=tenant)
     request = build_request(body, state, ids, tenant, logprobs=-1 if top is None else top)
     fingerprint = system_fingerprint(state, request)
-    encoder = CompletionEncoder(state.model_id, fingerprint, include_usage(body))
-    if top is not None:
-        encoder.token_text = _token_text(state.tokenizer)
+    token_text = None if top is None else _token_text(state.tokenizer)
+    encoder = CompletionEncoder(state.model_id, fingerprint, include_usage(body), token_text)
     return Call(request, None, encoder)
 
 
@@ -48,8 +47,9 @@ class CompletionEncoder:
     ping_every = None
     waits_for_admission = False
 
-    def __init__(self, model: str, fingerprint: str, usage_chunk: bool):
-        self.token_text = None  # id -> its text, where log-probs were asked for
+    def __init__(self, model: str, fingerprint: str, usage_chunk: bool, token_text=None):
+        """token_text: a token id's text, where log-probs were asked for (else None)."""
+        self.token_text = token_text
         self.pending: list[TokenLogprob] = []  # those of the text that comes next
         self.offset = 0  # characters of the answer so far (each token's text_offset)
         self.rid = "cmpl-" + secrets.token_hex(12)
@@ -98,7 +98,7 @@ class CompletionEncoder:
                     "finish_reason": done.reason,
                     **self._logprobs_field(answer.logprobs),
                 }
-            ],  # fmt: skip
+            ],
             "usage": usage_dict(done.usage, details=False),
             "timings": attrs.asdict(done.timings),
         }
