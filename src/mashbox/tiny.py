@@ -46,28 +46,33 @@ def ensure(model_dir: Path) -> Path:
         return final
     model_dir.mkdir(parents=True, exist_ok=True)
     partial = final.with_suffix(".partial")
-    spm_model = _train_spm(model_dir / "spm")
+    spm_model = train_spm(model_dir / "spm")
     _write_gguf(partial, spm_model)
     os.replace(partial, final)  # whole or absent, whoever looks
     return final
 
 
-def _train_spm(workdir: Path) -> Path:
-    """A SentencePiece BPE vocabulary with byte fallback, trained on TRAIN_TEXT (one thread:
-    the same model every time)."""
+def train_spm(
+    workdir: Path, *, text: str = TRAIN_TEXT, vocab_size: int = 400, name: str = "tiny"
+) -> Path:
+    """Train a SentencePiece BPE vocabulary with byte fallback on `text`; return its path.
+    The normalizer is the identity and extra whitespace is kept, as llama.cpp tokenizes, so
+    the model and one rebuilt from GGUF metadata encode text alike; one thread: the same
+    model every time. (The tests' tiny models are trained with it too.)"""
     import sentencepiece as spm
 
     workdir.mkdir(parents=True, exist_ok=True)
-    prefix = workdir / "tiny"
+    prefix = workdir / name
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(TRAIN_TEXT.splitlines()),
+        sentence_iterator=iter(text.splitlines()),
         model_prefix=str(prefix),
-        vocab_size=400,
+        vocab_size=vocab_size,
         model_type="bpe",
         byte_fallback=True,
         user_defined_symbols=SPECIAL_TOKENS,
         normalization_rule_name="identity",
         remove_extra_whitespaces=False,
+        # Rare characters fall back to bytes, so a small vocabulary still fits.
         character_coverage=0.98,
         split_digits=True,
         num_threads=1,

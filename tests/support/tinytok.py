@@ -80,30 +80,11 @@ Lists: apples, bananas, cherries; red, green, blue; one, two, three.
 
 
 def train_spm(workdir: Path, vocab_size: int = 400) -> Path:
-    """Train a SentencePiece BPE model with byte fallback on TRAIN_TEXT; return its path.
+    """Train a SentencePiece BPE model with byte fallback on TRAIN_TEXT (mashbox.tiny's
+    trainer, which mashbox-tiny uses too); return its path."""
+    from mashbox.tiny import train_spm as train
 
-    The normalizer is the identity and extra whitespace is kept, as llama.cpp tokenizes,
-    so the original model and one rebuilt from GGUF metadata encode text the same way.
-    """
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    prefix = workdir / "tinyspm"
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(TRAIN_TEXT.splitlines()),
-        model_prefix=str(prefix),
-        vocab_size=vocab_size,
-        model_type="bpe",
-        byte_fallback=True,
-        user_defined_symbols=SPECIAL_TOKENS,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        # Rare characters fall back to bytes, so a small vocabulary still fits.
-        character_coverage=0.98,
-        split_digits=True,
-        num_threads=1,
-        minloglevel=2,
-    )
-    return prefix.with_suffix(".model")
+    return train(Path(workdir), text=TRAIN_TEXT, vocab_size=vocab_size, name="tinyspm")
 
 
 def train_bpe(workdir: Path, vocab_size: int = 400) -> tokenizers.Tokenizer:
