@@ -42,6 +42,8 @@ class SamplingParams:
     # Log-probabilities with each sampled token: -1 none, 0 the sampled token's alone, k also
     # the k likeliest tokens' (the model's log-softmax, before temperature and penalties).
     logprobs: int = -1
+    # An llguidance grammar (text/constraint.py) the answer must follow; "" for none.
+    grammar: str = ""
 
 
 @message

@@ -71,7 +71,7 @@ def bind(host: str, port: int, stall_timeout: float) -> socket.socket:
 
 def load_text(path: Path) -> tuple[Tokenizer, ChatTemplate]:
     """The tokenizer and the chat template."""
-    tok = Tokenizer.from_hf_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    tok = Tokenizer.for_model(path)
     return tok, ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
 
 

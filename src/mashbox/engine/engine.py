@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from pathlib import Path
@@ -9,18 +10,22 @@ from pathlib import Path
 import torch
 
 from ..protocol import PREVIOUS, Admit, Decide, EngineInfo, SamplingParams, Step, StepResult
+from ..text.constraint import NOTHING, GrammarError
 from . import cpu_kernels, int4
 from . import graph_decode as graph_decode_mod
 from . import weights as weights_mod
+from .grammar_mask import GrammarMasks, allowed
 from .kv_cache import KVCache
 from .model import Model
 from .sampling import apply_penalties, greedy, sample
+
+log = logging.getLogger("mashbox.engine")
 
 
 class _SlotState:
     """What sampling needs to remember about the sequence in one slot."""
 
-    def __init__(self, admit: Admit, vocab_size: int, device):
+    def __init__(self, admit: Admit, vocab_size: int, device, masks: GrammarMasks):
         self.params: SamplingParams = admit.params
         self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         if admit.prompt_ids:
@@ -29,12 +34,25 @@ class _SlotState:
         # Greedy without penalties reads nothing but the logits: such rows are picked by one
         # argmax over the batch, and their counts are never needed.
         p = admit.params
+        # A grammar's matcher: what the row may sample next follows from what it sampled.
+        self.matcher = _matcher(masks, p.grammar) if p.grammar else None
         self.plain_greedy = (
-            p.temperature <= 0.0
+            self.matcher is None
+            and p.temperature <= 0.0
             and p.repetition_penalty == 1.0
             and not (p.frequency_penalty or p.presence_penalty)
         )
         self.last: int | None = None  # the token sampled last: what a PREVIOUS decode feeds
+
+
+def _matcher(masks: GrammarMasks, grammar: str):
+    """The row's matcher. The server compiled the grammar before queueing it; one that fails
+    here anyway ends its answer at once rather than failing the step for every row."""
+    try:
+        return masks.matcher(grammar)
+    except GrammarError as exc:
+        log.warning("a grammar the server accepted does not compile in the engine: %s", exc)
+        return masks.matcher(NOTHING)
 
 
 def default_dtype(device: str) -> torch.dtype:
@@ -149,6 +167,7 @@ class Engine:
             else PlainDecoder(self.model, self.cache)
         )
         self.slots: list[_SlotState | None] = [None] * slots
+        self.grammar_masks = GrammarMasks(Path(path))
         self.host_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # prompt cache
         self.pooled: dict[int, torch.Tensor] = {}  # embeddings: hidden-state sums so far
         self.info = EngineInfo(
@@ -183,7 +202,9 @@ class Engine:
         for restore in step.restores:
             self.cache.copy_in(restore.slot, self.host_cache[restore.entry], restore.n)
         for admit in step.admits:
-            self.slots[admit.slot] = _SlotState(admit, self.cfg.vocab_size, self.device)
+            self.slots[admit.slot] = _SlotState(
+                admit, self.cfg.vocab_size, self.device, self.grammar_masks
+            )
         tokens: dict[int, int] = {}
         logprobs: dict[int, tuple] = {}
         embeddings: dict[int, tuple[float, ...]] = {}
@@ -292,7 +313,12 @@ class Engine:
     def _sample(self, slot: int, logits: torch.Tensor, position: int) -> int:
         state = self.slots[slot]
         logits = apply_penalties(logits, state.params, state.prompt_mask, state.counts)
+        if state.matcher is not None:
+            ends = self.grammar_masks.grammars().vocab.eos_tokens
+            logits = allowed(logits, state.matcher, ends)
         token = sample(logits, state.params, position)
+        if state.matcher is not None:
+            state.matcher.consume_token(token)  # an end of turn after the answer stops it
         state.counts[token] += 1
         state.last = token
         return token

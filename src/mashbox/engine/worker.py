@@ -30,6 +30,7 @@ def worker_main(
         conn.send(WorkerFailed(f"cannot load {path}: {exc}"))
         return
     conn.send(engine.info)
+    engine.grammar_masks.start()  # llguidance's view of the vocabulary, off the first step
     held = None  # a message read early, while looking for a join
     while True:
         try:

@@ -9,7 +9,7 @@ import secrets
 
 from ..events import Finished
 from ..text.parser import Reasoning, ToolCall
-from . import chat
+from . import chat, structured
 from .chat import Answer, Ping, ToolChoice
 from .driver import Call, Frame, OneFieldFrame, frame
 from .errors import bad_request, not_ready
@@ -190,10 +190,24 @@ def thinking_of(body: Body) -> bool:
     return kind != "disabled"
 
 
+def answer_schema_of(body: Body) -> structured.AnswerSchema | None:
+    """Structured outputs: `output_config.format` (or the beta's `output_format`), a JSON
+    schema the answer's text follows; Anthropic's are always strict."""
+    config = body.object("output_config")
+    if config is not None and config.has("format"):
+        fmt, field = config.object("format"), "output_config.format"
+    else:
+        fmt, field = body.object("output_format"), "output_format"
+    return structured.answer_schema(fmt, field, strict_default=True)
+
+
+def strict_tools(body: Body) -> set[str]:
+    """The tools marked `strict`: their calls' input follows their input_schema."""
+    tools = body.list("tools") or []
+    return {t["name"] for t in tools if isinstance(t, dict) and t.get("strict") is True}
+
+
 def prompt_of(state: ServerState, body: Body) -> chat.ChatPrompt:
-    output_config = body.object("output_config")
-    if output_config is not None and output_config.has("format"):
-        raise bad_request("output_config.format is not supported (no structured output)")
     return chat.render(
         state,
         messages_of(body),
@@ -257,6 +271,17 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     prompt = prompt_of(state, body)
     ids = await encode_prompt(state, prompt.text, "messages", tenant=tenant, rendered=True)
     request = build_request(body, state, ids, tenant)
+    choice = body.object("tool_choice")
+    request = await structured.constrain(
+        state,
+        request,
+        prompt,
+        answer=answer_schema_of(body),
+        tools=tools_of(body),
+        choice=tool_choice_of(body),
+        parallel=not (choice is not None and choice.bool("disable_parallel_tool_use", False)),
+        strict=strict_tools(body),
+    )
     model = body.str("model") or state.model_id
     encoder = MessagesEncoder(model, len(ids), system_fingerprint(state, request))
     return Call(request, prompt, encoder)

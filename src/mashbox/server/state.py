@@ -9,6 +9,7 @@ from ..observer import Stats
 from ..protocol import EngineInfo
 from ..scheduler import Scheduler
 from ..text.chat_template import ChatTemplate
+from ..text.constraint import Grammars
 from ..text.tokenizer import Tokenizer
 from ..worker_client import Supervisor, SupervisorStatistics
 from .identity import Identity
@@ -49,6 +50,7 @@ class ServerState:
     guard: Guard = attrs.Factory(lambda: Guard("127.0.0.1"))
     supervisor: Supervisor | None = None
     loaded: Loaded | None = None
+    grammars: Grammars | None = None  # built at the first constrained request (structured.py)
     metrics: Metrics = attrs.field(
         init=False,
         default=attrs.Factory(

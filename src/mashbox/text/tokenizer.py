@@ -73,6 +73,12 @@ class Tokenizer:
         """
         return cls(read_hf_folder(Path(path)))
 
+    @classmethod
+    def for_model(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Load the tokenizer of a model: a Hugging Face folder, else a GGUF file."""
+        path = Path(path)
+        return cls.from_hf_folder(path) if path.is_dir() else cls.from_gguf(path)
+
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
         """Return the token ids of text; special tokens written in it become single ids.
 
