@@ -91,8 +91,8 @@ def test_items_and_echoed_fields(client):
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
-        ({"input": "x", "top_logprobs": 3}, "top_logprobs"),
+        ({"input": "x", "include": "message.output_text.logprobs"}, "include"),
+        ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
         ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text"),
         ({"input": [{"type": "message", "role": "user",
                      "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),

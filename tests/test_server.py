@@ -186,13 +186,14 @@ def test_stop_string_cuts_the_text(server):
         ("presence_penalty", -3),
         ("max_tokens", 0),
         ("max_completion_tokens", 1.5),
-        ("n", 2),
-        ("logprobs", True),
+        ("n", 9),  # 1-8 (n choices: test_n_choices.py)
+        ("n", 0),
+        ("logprobs", "yes"),  # a boolean (true returns log-probs: test_logprobs.py)
         ("top_logprobs", 2),
         ("seed", "x"),
         ("stop", ["ok", ""]),
         ("stream", "yes"),
-        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "xml"}),  # json_object, json_schema: test_structured.py
     ],
 )
 def test_bad_fields_are_400_naming_the_field(server, field, value):

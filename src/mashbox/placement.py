@@ -24,14 +24,15 @@ def pick(
     to the tenant holding the fewest slots (counting those just picked), the oldest request
     first among equals; a tenant at `tenant_slots` waits. So one tenant's requests, however
     many or slow, never keep another's from the next free slot. Their prompts: at most
-    `budget` tokens in all (the next pick past it stays waiting). In arrival order."""
+    `budget` tokens in all (the next pick past it stays waiting). A later choice of n waits
+    for choice 0's prefill (`Sequence.waits_for_leader`). In arrival order."""
     holding = collections.Counter(s.seq.request.tenant for s in slots if s.seq)
     picked: list[Sequence] = []
     while len(picked) < n:
         best = None
         for seq in waiting:  # oldest first
             tenant = seq.request.tenant
-            if holding[tenant] >= tenant_slots:
+            if holding[tenant] >= tenant_slots or seq.waits_for_leader:
                 continue
             if best is None or holding[tenant] < holding[best.request.tenant]:
                 best = seq

@@ -53,6 +53,29 @@ class RequestEvents(trio.abc.ReceiveChannel):
         self.sequence.called_tools = True
 
 
+class ChoiceEvents(trio.abc.ReceiveChannel):
+    """The events of a request's n choices, in one channel as they come: (choice index,
+    event). Closing it cancels every choice; the route marks each choice's answer as
+    `RequestEvents` does one request's."""
+
+    def __init__(self, receive: trio.MemoryReceiveChannel, seqs: list[Sequence], scheduler):
+        self._receive, self.sequences, self._scheduler = receive, seqs, scheduler
+
+    async def receive(self):
+        return await self._receive.receive()
+
+    async def aclose(self) -> None:
+        for seq in self.sequences:
+            self._scheduler._cancel(seq)
+        await self._receive.aclose()
+
+    def mark_delivered(self, index: int) -> None:
+        self.sequences[index].delivered = True
+
+    def mark_called_tools(self, index: int) -> None:
+        self.sequences[index].called_tools = True
+
+
 class Scheduler:
     """The step loop and the requests' channels, around the batch core's queue and slots."""
 
@@ -125,23 +148,45 @@ class Scheduler:
 
     def submit(self, request: Request) -> RequestEvents:
         """Queue a request and return its events; raise NotReady or QueueFull instead."""
+        self._check_room(request.tenant, 1)
+        send, receive = trio.open_memory_channel(CHANNEL_SIZE)
+        seq = Sequence.new(request, self.tokenizer, send)
+        self._queue([seq])
+        return RequestEvents(receive, seq, self)
+
+    def submit_choices(self, requests: list[Request]) -> ChoiceEvents:
+        """Queue a request's n choices (one prompt, each choice its own seed), all or none:
+        they count n places against the queue's limits. Choice 0 prefills the prompt; the
+        others wait for it, then copy its KV (`Sequence.leader`)."""
+        self._check_room(requests[0].tenant, len(requests))
+        send, receive = trio.open_memory_channel(CHANNEL_SIZE * len(requests))
+        seqs: list[Sequence] = []
+        for index, request in enumerate(requests):
+            seq = Sequence.new(request, self.tokenizer, send.clone())  # each closes its own
+            seq.choice, seq.leader = index, seqs[0] if seqs else None
+            seqs.append(seq)
+        send.close()
+        self._queue(seqs)
+        return ChoiceEvents(receive, seqs, self)
+
+    def _check_room(self, tenant: str, n: int) -> None:
+        """NotReady, or QueueFull unless n more of the tenant's requests may wait."""
         if not self.ready:
             raise NotReady("the model is loading")
-        if len(self.waiting) >= MAX_WAITING:
+        if len(self.waiting) + n > MAX_WAITING:
             raise QueueFull(f"the server's queue is full ({MAX_WAITING} waiting)", whole_queue=True)
-        mine = sum(1 for s in self.waiting if s.request.tenant == request.tenant)
-        if mine >= MAX_WAITING_PER_TENANT:
+        mine = sum(1 for s in self.waiting if s.request.tenant == tenant)
+        if mine + n > MAX_WAITING_PER_TENANT:
             raise QueueFull(
                 f"too many requests waiting ({MAX_WAITING_PER_TENANT} per tenant)",
                 whole_queue=False,
             )
-        send, receive = trio.open_memory_channel(CHANNEL_SIZE)
-        seq = Sequence.new(request, self.tokenizer, send)
-        self.waiting.append(seq)
+
+    def _queue(self, seqs: list[Sequence]) -> None:
+        self.waiting.extend(seqs)
         self._wakeup.set()
         if self._receiving:
             self._join()
-        return RequestEvents(receive, seq, self)
 
     def _cancel(self, seq: Sequence) -> None:
         """Forget a request now (its route closed its events); its slot frees before the next
@@ -242,8 +287,9 @@ class Scheduler:
         now = time.perf_counter()
         for seq in list(self.batch.live()):
             while seq.outbox:
+                event = seq.outbox[0] if seq.choice is None else (seq.choice, seq.outbox[0])
                 try:
-                    seq.channel.send_nowait(seq.outbox[0])
+                    seq.channel.send_nowait(event)
                 except trio.WouldBlock:
                     if seq.blocked_since is None:
                         seq.blocked_since = now

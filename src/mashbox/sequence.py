@@ -52,6 +52,10 @@ class Sequence:
     # A typed decision's reads so far: one tuple per branch, read a budget of rows a step.
     readings: list = attrs.Factory(list)
     pending: int = 0  # steps sent that sample this sequence's next token, results not yet in
+    # One of a request's n choices (n > 1): its index, which tags its events in the channel
+    # the choices share, and choice 0, whose prompt it copies once that is prefilled.
+    choice: int | None = None
+    leader: Sequence | None = None
     t_start: float | None = None
     t_first: float | None = None
     t_last: float | None = None
@@ -73,6 +77,16 @@ class Sequence:
     def decoding(self) -> bool:
         r = self.request
         return self.prefilled == len(r.prompt_ids) and not (r.embed or r.branches)
+
+    @property
+    def waits_for_leader(self) -> bool:
+        """A later choice waits while choice 0 prefills the prompt they share: placed then,
+        it copies that KV (`Share`) rather than compute it again. If choice 0 ends first, it
+        goes on its own."""
+        lead = self.leader
+        if lead is None or lead.done or lead.cancelled:
+            return False
+        return lead.prefilled < len(lead.request.prompt_ids) - 1
 
     def run_again(self, tokenizer: Tokenizer) -> None:
         """Forget this run (the engine lost it) and wait for a slot again, as if just queued:

@@ -8,6 +8,7 @@ template or parses model text itself.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -24,6 +25,7 @@ from ..text.parser import (
 )
 from .errors import ApiError, bad_request
 from .state import ServerState
+from .token_logprobs import ItemTokens, Logprobs
 
 # Qwen2.5's own words, for templates that know nothing of tools (Hermes-style tool calling).
 TOOL_PROMPT = """# Tools
@@ -60,6 +62,8 @@ class ChatPrompt:
     tools_offered: bool  # tool-call markup is parsed as calls
     forced_prefix: str | None  # text the server put after the generation prompt
     tool_names: frozenset[str] = frozenset()
+    # A token's bytes, where log-probs were asked for: to place tokens in the parsed items.
+    token_bytes: Callable[[int], bytes] | None = None
 
     def parser(self) -> OutputParser:
         parser = OutputParser(
@@ -190,13 +194,6 @@ def render(
 
 
 @attrs.frozen
-class Logprobs:
-    """The log-probabilities of the tokens whose text comes next (plain completions)."""
-
-    entries: tuple[TokenLogprob, ...]
-
-
-@attrs.frozen
 class Ping:
     """Nothing happened for a while (streams send a keep-alive event)."""
 
@@ -241,13 +238,15 @@ async def _receive(events, ping_every: float | None):
 
 async def parsed(events, prompt: ChatPrompt, *, ping_every: float | None = None):
     """Scheduler events with the answer's text parsed into reasoning, content and tool calls;
-    `Finished` carries how many generated tokens were reasoning (think tags included).
+    `Finished` carries how many generated tokens were reasoning (think tags included). Where
+    log-probs were asked for, each content item comes after the Logprobs of its tokens.
 
     With ping_every, a Ping is yielded after that many seconds without an event (during a
     long prefill, say): the receive is cancelled, never the generator itself.
     """
     parser = prompt.parser()
     bare = _BareCalls(prompt.tool_names)
+    tokens = ItemTokens(prompt.token_bytes, parser.fed)
     reasoning_tokens = 0
     while True:
         try:
@@ -258,19 +257,21 @@ async def parsed(events, prompt: ChatPrompt, *, ping_every: float | None = None)
             yield Ping()
             continue
         if isinstance(event, TextDelta):
+            tokens.add(event)
             before = parser.in_reasoning
-            items = bare.pass_through(parser.feed(event.text))
+            items = tokens.place(bare.pass_through(parser.feed(event.text)))
             if before or parser.in_reasoning:  # the think tags count with the reasoning
                 reasoning_tokens += event.tokens
             for item in items:
                 yield item
         elif isinstance(event, Finished):
-            for item in bare.finish(parser.finish()):
+            for item in tokens.place(bare.finish(parser.finish())):
                 yield item
             yield attrs.evolve(event, reasoning_tokens=reasoning_tokens)
         elif isinstance(event, Restarted):  # what was read before the fault is void
             parser = prompt.parser()
             bare = _BareCalls(prompt.tool_names)
+            tokens = ItemTokens(prompt.token_bytes, parser.fed)
             reasoning_tokens = 0
             yield event
         elif isinstance(event, Failed):
@@ -338,7 +339,8 @@ class Answer:
 
     events: list  # Reasoning, Content, ToolCall, InvalidToolCall (merged where adjacent)
     done: Finished
-    logprobs: tuple[TokenLogprob, ...] = ()  # where asked for (plain completions)
+    # Where asked for: every token of plain completions, a chat answer's content tokens.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     def text(self, kind=Content) -> str:
         """The joined text of one kind (InvalidToolCall markup counts as content)."""

@@ -7,25 +7,29 @@ calls, the end or a failure) into that protocol's events without any I/O. The dr
 everything else: the ready check, submitting, the one retry's bookkeeping, reading the
 answer whole or streaming it, the request's log line, and releasing the request from the
 scheduler however the client goes. HTTP frames the events as server-sent events; the chat
-WebSocket sends the same events as frames.
+WebSocket sends the same events as frames. Where `n` asks for several choices (OpenAI chat and
+completions), it runs them all under one answer: submitted together, each with its own seed,
+read as they come and released together.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 import attrs
+import trio
 
 from ..events import Failed, Finished, NotReady, QueueFull, Request, Restarted
-from ..scheduler import RequestEvents
-from ..text.parser import ToolCall
+from ..scheduler import ChoiceEvents, RequestEvents
+from ..text.parser import ToolCall, merge
 from . import chat
 from .chat import Answer, ChatPrompt, Logprobs, Ping
 from .errors import ApiError, not_ready, queue_full
-from .generation import log_request, log_tag
+from .generation import choice_request, log_request, log_tag
 from .state import ServerState
 from .validate import Body
 
@@ -81,13 +85,24 @@ class Encoder(Protocol):
     def whole(self, answer: Answer) -> dict: ...  # the body of a non-streamed answer
 
 
+class ChoicesEncoder(Encoder, Protocol):
+    """An encoder whose protocol answers n choices at once (OpenAI chat and completions)."""
+
+    def choice(self, index: int) -> ChoicesEncoder: ...  # another choice of the same answer
+    def finish_choice(self, done: Finished) -> list[Frame]: ...  # this choice's last event
+    def finish_answer(self, done: Finished) -> list[Frame]: ...  # after every choice's last
+    def whole_choice(self, answer: Answer) -> dict: ...  # this choice in the whole answer
+    def whole_answer(self, choices: list[dict], done: Finished) -> dict: ...
+
+
 @attrs.frozen
 class Call:
     """One generation request, parsed: what the scheduler runs and how to answer it."""
 
-    request: Request
+    request: Request  # choice 0's, where the answer holds several
     prompt: ChatPrompt | None  # None: plain completions (the text is not parsed)
-    encoder: Encoder
+    encoder: Encoder  # a ChoicesEncoder where choices > 1
+    choices: int = 1  # `n`
 
 
 Parse = Callable[[ServerState, Body, str], Awaitable[Call]]
@@ -125,11 +140,13 @@ async def answer(
     body = Body(data)
     call = await parse(state, body, tenant)
     session = log_tag(body, headers, tenant)
-    events = submit(state, call.request)
 
     def logged(status: int, done: Finished | None) -> None:
         log_request(route, status, done, session, t0)
 
+    if call.choices > 1:
+        return await _answer_choices(state, call, logged)
+    events = submit(state, call.request)
     if not call.request.stream:
 
         def fail(event: Failed) -> ApiError:
@@ -178,3 +195,156 @@ async def _stream(events: RequestEvents, call: Call, logged) -> AsyncIterator[Fr
                 yield f
     for f in encoder.fail(DROPPED, 500):
         yield f
+
+
+# --- n choices under one answer ----------------------------------------------------------
+
+
+async def _answer_choices(state: ServerState, call: Call, logged) -> dict | AsyncIterator[Frame]:
+    """Run a request's n choices (each its own seed, `choice_request`) as one answer."""
+    requests = [choice_request(call.request, i) for i in range(call.choices)]
+    try:
+        events = state.scheduler.submit_choices(requests)
+    except NotReady:
+        raise not_ready() from None
+    except QueueFull as exc:
+        raise queue_full(str(exc), whole_queue=exc.whole_queue) from None
+    encoders = [call.encoder, *(call.encoder.choice(i) for i in range(1, call.choices))]
+    if call.request.stream:
+        return _stream_choices(events, call, encoders, logged)
+    answers = await _collect_choices(events, call.prompt, logged)
+    done = answer_end([a.done for a in answers])
+    logged(200, done)
+    choices = [e.whole_choice(a) for e, a in zip(encoders, answers, strict=True)]
+    return call.encoder.whole_answer(choices, done)
+
+
+def answer_end(ends: list[Finished]) -> Finished:
+    """How an answer of n choices ended: choice 0's end, with the usage of all of them (the
+    prompt once, every choice's completion tokens: OpenAI's count)."""
+    first = ends[0]
+    completion = sum(e.usage.completion_tokens for e in ends)
+    return attrs.evolve(
+        first,
+        usage=attrs.evolve(first.usage, completion_tokens=completion),
+        reasoning_tokens=sum(e.reasoning_tokens for e in ends),
+    )
+
+
+async def _collect_choices(events: ChoiceEvents, prompt, logged) -> list[Answer]:
+    """Read every choice's answer to its end (as `chat.collect` reads one); the first
+    failure is the request's error. The choices are released however this ends."""
+    n = len(events.sequences)
+    items: list[list] = [[] for _ in range(n)]
+    logprobs: list[list] = [[] for _ in range(n)]
+    answers: list[Answer | None] = [None] * n
+    async with events, ChoiceItems(prompt, n) as reader:
+        async for index, event in events:
+            for item in await reader.read(index, event):
+                if isinstance(item, Logprobs):
+                    logprobs[index].extend(item.entries)
+                elif isinstance(item, Finished):
+                    answers[index] = Answer(merge(items[index]), item, tuple(logprobs[index]))
+                    if answers[index].calls:
+                        events.mark_called_tools(index)
+                elif isinstance(item, Failed):
+                    logged(item.status, None)
+                    raise failure(item)
+                elif isinstance(item, Restarted):  # the engine failed before it was sent
+                    items[index], logprobs[index] = [], []
+                else:
+                    items[index].append(item)
+            if all(answers):
+                return answers
+    raise ApiError(500, DROPPED, type="server_error")
+
+
+async def _stream_choices(
+    events: ChoiceEvents, call: Call, encoders: list[ChoicesEncoder], logged
+) -> AsyncIterator[Frame]:
+    """Every choice's events as they come, each with its index; the usage and the stream's
+    end once, after the last choice's end. The choices are cancelled however this ends."""
+    ends: list[Finished | None] = [None] * len(encoders)
+    async with events, ChoiceItems(call.prompt, len(encoders)) as reader:
+        for encoder in encoders:
+            for f in encoder.start(None):
+                yield f
+        async for index, event in events:
+            encoder = encoders[index]
+            for item in await reader.read(index, event):
+                if isinstance(item, Finished):
+                    ends[index] = item
+                    for f in encoder.finish_choice(item):
+                        yield f
+                elif isinstance(item, Failed):
+                    for f in encoder.fail(item.message, item.status):
+                        yield f
+                    logged(item.status, None)
+                    return
+                elif not isinstance(item, Restarted):  # nothing of it was sent before that
+                    if not isinstance(item, Logprobs):
+                        events.mark_delivered(index)
+                        if isinstance(item, ToolCall):
+                            events.mark_called_tools(index)
+                    for f in encoder.feed(item):
+                        yield f
+            if all(ends):
+                done = answer_end(ends)
+                for f in call.encoder.finish_answer(done):
+                    yield f
+                logged(200, done)
+                return
+    for f in call.encoder.fail(DROPPED, 500):
+        yield f
+
+
+class ChoiceItems:
+    """Each choice's events read as `chat.parsed` (or `chat.plain_events`) reads one
+    request's: the choices' events come in one channel, and each choice's parser is handed
+    its own, in order, as they come."""
+
+    # parsed()'s clock: a choice's parser waiting this long for an event has read all it was
+    # handed (it gives a Ping), so its next event can wait while the other choices go on.
+    DRAINED = 1e-9
+
+    def __init__(self, prompt: ChatPrompt | None, n: int):
+        self.inboxes = [_Inbox() for _ in range(n)]
+        self.parsers = (
+            None
+            if prompt is None
+            else [chat.parsed(inbox, prompt, ping_every=self.DRAINED) for inbox in self.inboxes]
+        )
+
+    async def read(self, index: int, event) -> list:
+        """What choice `index`'s parser makes of its next event."""
+        if self.parsers is None:  # plain text: each event reads alone
+            return [item async for item in chat.plain_events(_once(event))]
+        self.inboxes[index].events.append(event)
+        parser, items = self.parsers[index], []
+        while not isinstance(item := await anext(parser), Ping):
+            items.append(item)
+        return items
+
+    async def __aenter__(self) -> ChoiceItems:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for parser in self.parsers or ():
+            await parser.aclose()
+
+
+class _Inbox:
+    """One choice's events handed to its parser; with none there, it waits (for ever: the
+    parser's clock cuts that short)."""
+
+    def __init__(self):
+        self.events: collections.deque = collections.deque()
+
+    async def receive(self):
+        if self.events:
+            return self.events.popleft()  # at once: no checkpoint, so never cut short
+        await trio.sleep_forever()
+
+
+async def _once(event):
+    yield event

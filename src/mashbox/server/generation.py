@@ -8,6 +8,7 @@ import hashlib
 import logging
 import time
 
+import attrs
 import trio
 
 from ..events import MAX_WAITING_PER_TENANT, Finished, Request, random_seed
@@ -30,11 +31,41 @@ def check_model(body: Body, state: ServerState) -> None:
         )
 
 
-def sampling_params(body: Body, logprobs: int = -1) -> SamplingParams:
+MAX_CHOICES = 8  # `n`'s bound on the routes that answer several choices
+
+
+def choice_count(body: Body, most: int = 1) -> int:
+    """`n`: how many choices the answer holds, 1 to `most` (the route's bound)."""
+    if most == 1:
+        if body.int("n", 1) != 1:
+            raise bad_request("n must be 1", "n")
+        return 1
+    return body.int("n", 1, lo=1, hi=most)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice `index`'s sampling seed: the request's for choice 0 (so n=1 answers are what
+    they were); else the first 8 bytes of SHA-256 of the ASCII text "{seed}:{index}", big
+    endian, shifted right one bit (63 bits). A client asks for that choice alone with it."""
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}:{index}".encode("ascii")).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def choice_request(request: Request, index: int) -> Request:
+    """Choice `index` of a request's n: the same request, sampled with its own seed."""
+    if index == 0:
+        return request
+    params = attrs.evolve(request.params, seed=choice_seed(request.params.seed, index))
+    return attrs.evolve(request, params=params)
+
+
+def sampling_params(body: Body, logprobs: int = -1, *, most_choices: int = 1) -> SamplingParams:
     """Every sampling field with the seed's ranges; out of range is a 400 naming the field.
-    logprobs: -1 none, else the likeliest tokens to report with each sampled one."""
-    if body.int("n", 1) != 1:
-        raise bad_request("n must be 1", "n")
+    logprobs: -1 none, else the likeliest tokens to report with each sampled one.
+    most_choices: the route's bound on `n` (1: it answers one choice)."""
+    choice_count(body, most_choices)
     seed = body.int("seed")
     return SamplingParams(
         temperature=body.number("temperature", 0.0, lo=0, hi=4),
@@ -131,9 +162,16 @@ def prompt_field(body: Body) -> str:
 
 
 def build_request(
-    body: Body, state: ServerState, prompt_ids: list[int], tenant: str, *, logprobs: int = -1
+    body: Body,
+    state: ServerState,
+    prompt_ids: list[int],
+    tenant: str,
+    *,
+    logprobs: int = -1,
+    most_choices: int = 1,
 ) -> Request:
-    """Check the prompt fits the context and gather the generation fields."""
+    """Check the prompt fits the context and gather the generation fields (choice 0's, where
+    `n` asks for several: `choice_request`)."""
     if len(prompt_ids) >= state.ctx:
         raise too_long(
             f"the prompt is {len(prompt_ids)} tokens; the context is {state.ctx} tokens "
@@ -142,7 +180,7 @@ def build_request(
         )
     return Request(
         prompt_ids=tuple(prompt_ids),
-        params=sampling_params(body, logprobs),
+        params=sampling_params(body, logprobs, most_choices=most_choices),
         max_tokens=max_new_tokens(body, len(prompt_ids), state.ctx),
         stop=stop_strings(body),
         tenant=tenant,

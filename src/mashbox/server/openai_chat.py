@@ -10,13 +10,21 @@ import attrs
 
 from ..events import Finished
 from ..text.parser import Reasoning, ToolCall
-from . import chat
-from .chat import Answer, ToolChoice
+from . import chat, structured
+from .chat import Answer, Logprobs, ToolChoice
 from .content import ContentError, text_of
 from .driver import Call, Frame, OneFieldFrame, frame
 from .errors import bad_request
-from .generation import build_request, check_model, encode_prompt, system_fingerprint
+from .generation import (
+    MAX_CHOICES,
+    build_request,
+    check_model,
+    choice_count,
+    encode_prompt,
+    system_fingerprint,
+)
 from .state import ServerState
+from .token_logprobs import MAX_TOP_LOGPROBS, openai_entries
 from .validate import Body
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -136,15 +144,15 @@ def thinking_requested(body: Body) -> bool:
     return body.bool("enable_thinking", False)
 
 
-def _refuse_unsupported(body: Body) -> None:
-    body.refuse("logprobs", "log probabilities are not returned")
-    body.refuse("top_logprobs", "log probabilities are not returned")
-    fmt = body.object("response_format")
-    if fmt is not None and fmt.raw("type", "text") != "text":
-        raise bad_request(
-            "response_format: only {'type': 'text'} is supported (no structured output)",
-            "response_format",
-        )
+def logprobs_asked(body: Body) -> int:
+    """-1 without `logprobs: true`; else how many likeliest tokens to list beside each
+    generated one (`top_logprobs`, 0-20, which needs `logprobs: true`, as at OpenAI)."""
+    top = body.int("top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    if not body.bool("logprobs", False):
+        if top is not None:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return -1
+    return top or 0
 
 
 def include_usage(body: Body) -> bool:
@@ -178,36 +186,62 @@ def tool_call_dict(call: ToolCall) -> dict:
 
 async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     check_model(body, state)
-    _refuse_unsupported(body)
-    prompt = chat.render(
-        state,
-        chat_messages(body),
-        tools=chat_tools(body),
-        tool_choice=chat_tool_choice(body),
-        thinking=thinking_requested(body),
-    )
+    top = logprobs_asked(body)
+    tools, choice = chat_tools(body), chat_tool_choice(body)
+    answer = structured.answer_schema(body.object("response_format"), "response_format")
+    messages, thinking = chat_messages(body), thinking_requested(body)
+    prompt = chat.render(state, messages, tools=tools, tool_choice=choice, thinking=thinking)
     ids = await encode_prompt(state, prompt.text, "messages", tenant=tenant, rendered=True)
-    request = build_request(body, state, ids, tenant)
-    encoder = ChatEncoder(state.model_id, system_fingerprint(state, request), include_usage(body))
-    return Call(request, prompt, encoder)
+    n = choice_count(body, MAX_CHOICES)
+    request = build_request(body, state, ids, tenant, logprobs=top, most_choices=MAX_CHOICES)
+    parallel = body.bool("parallel_tool_calls", True)
+    request = await structured.constrain(
+        state, request, prompt, answer=answer, tools=tools, choice=choice, parallel=parallel
+    )
+    if top >= 0:
+        prompt = attrs.evolve(prompt, token_bytes=state.tokenizer.token_bytes)
+    fingerprint = system_fingerprint(state, request)
+    encoder = ChatEncoder(state.model_id, fingerprint, include_usage(body), prompt.token_bytes)
+    return Call(request, prompt, encoder, n)
 
 
 class ChatEncoder:
-    """One answer as a chat.completion, or as chat.completion.chunk events."""
+    """One answer as a chat.completion, or as chat.completion.chunk events; one encoder per
+    choice (`n`)."""
 
     ping_every = None
     waits_for_admission = False
 
-    def __init__(self, model: str, fingerprint: str, usage_chunk: bool):
-        self.rid = "chatcmpl-" + secrets.token_hex(12)
-        self.base = {"id": self.rid, "created": int(time.time()), "model": model}
+    def __init__(
+        self,
+        model: str,
+        fingerprint: str,
+        usage_chunk: bool,
+        token_bytes=None,
+        *,
+        index: int = 0,
+        of: ChatEncoder | None = None,
+    ):
+        """token_bytes: a token id's bytes, where log-probs were asked for (else None).
+        index: the choice this encodes; of: choice 0's encoder, whose answer (its id and
+        clock) this is another choice of."""
+        self.index = index
+        self.token_bytes = token_bytes
+        self.pending: list = []  # the TokenLogprobs of the content that comes next
+        if of is not None:
+            self.rid, self.base = of.rid, of.base
+        else:
+            self.rid = "chatcmpl-" + secrets.token_hex(12)
+            self.base = {"id": self.rid, "created": int(time.time()), "model": model}
         self.fingerprint = fingerprint
         self.usage_chunk = usage_chunk
         self.calls = 0
         self.content = OneFieldFrame(lambda text: self._chunk({"content": text}))
 
-    def _chunk(self, delta: dict, finish=None, **extra) -> Frame:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    def _chunk(self, delta: dict, finish=None, logprobs=None, **extra) -> Frame:
+        choice = {"index": self.index, "delta": delta, "finish_reason": finish}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
         return frame(
             {
                 **self.base,
@@ -218,22 +252,40 @@ class ChatEncoder:
             }
         )
 
+    def choice(self, index: int) -> ChatEncoder:
+        model, usage = self.base["model"], self.usage_chunk
+        return ChatEncoder(model, self.fingerprint, usage, self.token_bytes, index=index, of=self)
+
     def start(self, cached: int | None) -> list[Frame]:
         return [self._chunk({"role": "assistant", "content": ""})]
 
     def feed(self, item) -> list[Frame]:
+        if isinstance(item, Logprobs):
+            self.pending.extend(item.entries)
+            return []
         if isinstance(item, Reasoning):
             return [self._chunk({"reasoning_content": item.text})]
         if isinstance(item, ToolCall):
             call = {"index": self.calls, **tool_call_dict(item)}
             self.calls += 1
             return [self._chunk({"tool_calls": [call]})]
-        return [self.content(item.text)]  # Content, or tool-call markup that did not parse
+        # Content, or tool-call markup that did not parse
+        if self.token_bytes is None:
+            return [self.content(item.text)]
+        logprobs, self.pending = self._logprobs(self.pending), []
+        return [self._chunk({"content": item.text}, logprobs=logprobs)]
 
     def finish(self, done: Finished) -> list[Frame]:
+        return [*self.finish_choice(done), *self.finish_answer(done)]
+
+    def finish_choice(self, done: Finished) -> list[Frame]:
         timings = attrs.asdict(done.timings)
-        out = [self._chunk({}, chat.finish_reason(done, self.calls), timings=timings)]
+        return [self._chunk({}, chat.finish_reason(done, self.calls), timings=timings)]
+
+    def finish_answer(self, done: Finished) -> list[Frame]:
+        out = []
         if self.usage_chunk:
+            timings = attrs.asdict(done.timings)
             tail = {"choices": [], "usage": usage_dict(done.usage), "timings": timings}
             out.append(frame({**self.base, "object": "chat.completion.chunk", **tail}))
         return [*out, frame("[DONE]")]
@@ -242,6 +294,9 @@ class ChatEncoder:
         return [error_frame(self.rid, message)]
 
     def whole(self, answer: Answer) -> dict:
+        return self.whole_answer([self.whole_choice(answer)], answer.done)
+
+    def whole_choice(self, answer: Answer) -> dict:
         done, calls = answer.done, [tool_call_dict(c) for c in answer.calls]
         text = answer.text()
         message = {"role": "assistant", "content": text if text.strip() or not calls else None}
@@ -250,12 +305,26 @@ class ChatEncoder:
         if calls:
             message["tool_calls"] = calls
         return {
+            "index": self.index,
+            "message": message,
+            "finish_reason": chat.finish_reason(done, calls),
+            **self._logprobs_field(answer.logprobs),
+        }
+
+    def whole_answer(self, choices: list[dict], done: Finished) -> dict:
+        """choices: each choice's whole_choice; done: how the answer ended (all its usage)."""
+        return {
             **self.base,
             "object": "chat.completion",
             "system_fingerprint": self.fingerprint,
-            "choices": [
-                {"index": 0, "message": message, "finish_reason": chat.finish_reason(done, calls)}
-            ],
+            "choices": choices,
             "usage": usage_dict(done.usage),
             "timings": attrs.asdict(done.timings),
         }
+
+    def _logprobs_field(self, entries) -> dict:
+        return {} if self.token_bytes is None else {"logprobs": self._logprobs(entries)}
+
+    def _logprobs(self, entries) -> dict:
+        """OpenAI's chat log-probs of these content tokens."""
+        return {"content": openai_entries(entries, self.token_bytes), "refusal": None}

@@ -12,7 +12,14 @@ from ..events import Finished, TokenLogprob
 from .chat import Answer, Logprobs
 from .driver import Call, Frame, OneFieldFrame, frame
 from .errors import bad_request
-from .generation import build_request, check_model, encode_prompt, system_fingerprint
+from .generation import (
+    MAX_CHOICES,
+    build_request,
+    check_model,
+    choice_count,
+    encode_prompt,
+    system_fingerprint,
+)
 from .openai_chat import error_frame, include_usage, usage_dict
 from .state import ServerState
 from .validate import Body
@@ -33,35 +40,61 @@ def completion_prompt(body: Body) -> str:
 async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     check_model(body, state)
     top = body.int("logprobs", lo=0, hi=MAX_LOGPROBS)  # None: none asked for
+    n = choice_count(body, MAX_CHOICES)
     ids = await encode_prompt(state, completion_prompt(body), "prompt", tenant=tenant)
-    request = build_request(body, state, ids, tenant, logprobs=-1 if top is None else top)
+    request = build_request(
+        body, state, ids, tenant, logprobs=-1 if top is None else top, most_choices=MAX_CHOICES
+    )
     fingerprint = system_fingerprint(state, request)
     token_text = None if top is None else _token_text(state.tokenizer)
     encoder = CompletionEncoder(state.model_id, fingerprint, include_usage(body), token_text)
-    return Call(request, None, encoder)
+    return Call(request, None, encoder, n)
 
 
 class CompletionEncoder:
-    """One answer as a text_completion, whole or in events."""
+    """One answer as a text_completion, whole or in events; one encoder per choice (`n`)."""
 
     ping_every = None
     waits_for_admission = False
 
-    def __init__(self, model: str, fingerprint: str, usage_chunk: bool, token_text=None):
-        """token_text: a token id's text, where log-probs were asked for (else None)."""
+    def __init__(
+        self,
+        model: str,
+        fingerprint: str,
+        usage_chunk: bool,
+        token_text=None,
+        *,
+        index: int = 0,
+        of: CompletionEncoder | None = None,
+    ):
+        """token_text: a token id's text, where log-probs were asked for (else None).
+        index: the choice this encodes; of: choice 0's encoder, whose answer (its id and
+        clock) this is another choice of."""
         self.token_text = token_text
+        self.index = index
         self.pending: list[TokenLogprob] = []  # those of the text that comes next
         self.offset = 0  # characters of the answer so far (each token's text_offset)
-        self.rid = "cmpl-" + secrets.token_hex(12)
-        self.base = {
-            "id": self.rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "system_fingerprint": fingerprint,
-        }
+        if of is not None:
+            self.rid, self.base = of.rid, of.base
+        else:
+            self.rid = "cmpl-" + secrets.token_hex(12)
+            self.base = {
+                "id": self.rid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": model,
+                "system_fingerprint": fingerprint,
+            }
         self.usage_chunk = usage_chunk
-        self.text = OneFieldFrame(lambda text: frame({**self.base, "choices": [_choice(text)]}))
+        self.text = OneFieldFrame(
+            lambda text: frame({**self.base, "choices": [_choice(text, index)]})
+        )
+
+    def choice(self, index: int) -> CompletionEncoder:
+        model, fingerprint = self.base["model"], self.base["system_fingerprint"]
+        return CompletionEncoder(
+            model, fingerprint, self.usage_chunk, self.token_text, index=index, of=self
+        )
 
     def start(self, cached: int | None) -> list[Frame]:
         return []
@@ -72,13 +105,19 @@ class CompletionEncoder:
             return []
         if self.token_text is None:
             return [self.text(item.text)]
-        choice = {**_choice(item.text), "logprobs": self._logprobs(self.pending)}
+        choice = {**_choice(item.text, self.index), "logprobs": self._logprobs(self.pending)}
         self.pending = []
         return [frame({**self.base, "choices": [choice]})]
 
     def finish(self, done: Finished) -> list[Frame]:
-        timings = attrs.asdict(done.timings)
-        out = [frame({**self.base, "choices": [_choice("", done.reason)], "timings": timings})]
+        return [*self.finish_choice(done), *self.finish_answer(done)]
+
+    def finish_choice(self, done: Finished) -> list[Frame]:
+        choice = _choice("", self.index, done.reason)
+        return [frame({**self.base, "choices": [choice], "timings": attrs.asdict(done.timings)})]
+
+    def finish_answer(self, done: Finished) -> list[Frame]:
+        out = []
         if self.usage_chunk:
             usage = usage_dict(done.usage, details=False)
             out.append(frame({**self.base, "choices": [], "usage": usage}))
@@ -88,17 +127,21 @@ class CompletionEncoder:
         return [error_frame(self.rid, message)]
 
     def whole(self, answer: Answer) -> dict:
-        done = answer.done
+        return self.whole_answer([self.whole_choice(answer)], answer.done)
+
+    def whole_choice(self, answer: Answer) -> dict:
+        return {
+            "index": self.index,
+            "text": answer.text(),
+            "finish_reason": answer.done.reason,
+            **self._logprobs_field(answer.logprobs),
+        }
+
+    def whole_answer(self, choices: list[dict], done: Finished) -> dict:
+        """choices: each choice's whole_choice; done: how the answer ended (all its usage)."""
         return {
             **self.base,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": answer.text(),
-                    "finish_reason": done.reason,
-                    **self._logprobs_field(answer.logprobs),
-                }
-            ],
+            "choices": choices,
             "usage": usage_dict(done.usage, details=False),
             "timings": attrs.asdict(done.timings),
         }
@@ -133,5 +176,5 @@ def _token_text(tokenizer):
     return lambda token: tokenizer.token_bytes(token).decode("utf-8", errors="replace")
 
 
-def _choice(text: str, finish=None) -> dict:
-    return {"index": 0, "text": text, "finish_reason": finish}
+def _choice(text: str, index: int, finish=None) -> dict:
+    return {"index": index, "text": text, "finish_reason": finish}

@@ -5,29 +5,32 @@ from __future__ import annotations
 
 import time
 
+import attrs
+
 from ..events import Finished
 from ..text.parser import Reasoning, ToolCall
-from . import chat
-from .chat import Answer, ToolChoice
+from . import chat, structured
+from .chat import Answer, Logprobs, ToolChoice
 from .driver import Call, Frame, frame
 from .generation import build_request, encode_prompt, system_fingerprint
 from .responses_input import (
     Toolbox,
     input_messages,
+    logprobs_asked,
     max_tokens_field,
     new_id,
-    refuse_unsupported,
     thinking_of,
     tool_choice_of,
 )
 from .state import ServerState
+from .token_logprobs import openai_entries
 from .validate import Body
 
 
 async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     # Seed 000: "Accepted for compatibility; the server answers with the one model it runs."
     # Codex sends whatever its config names.
-    refuse_unsupported(body)
+    top = logprobs_asked(body)
     toolbox = Toolbox(body.list("tools"))
     choice = tool_choice_of(body)
     if choice.name is not None and choice.name not in toolbox.kinds:
@@ -42,7 +45,18 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
         thinking=thinking_of(body),
     )
     ids = await encode_prompt(state, prompt.text, "input", tenant=tenant, rendered=True)
-    request = build_request(max_tokens_field(body), state, ids, tenant)
+    request = build_request(max_tokens_field(body), state, ids, tenant, logprobs=top)
+    text = body.object("text")
+    request = await structured.constrain(
+        state,
+        request,
+        prompt,
+        answer=structured.answer_schema(text.object("format") if text else None, "text.format"),
+        tools=toolbox.functions,
+        strict=toolbox.strict,
+        choice=choice,
+        parallel=body.bool("parallel_tool_calls", True),
+    )
     shell = {
         "id": new_id("resp"),
         "object": "response",
@@ -57,7 +71,9 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
         # What a seeded answer repeats under (OpenAI's name; Response allows extra fields).
         "system_fingerprint": system_fingerprint(state, request),
     }
-    return Call(request, prompt, ResponsesEncoder(shell, toolbox))
+    if top >= 0:
+        prompt = attrs.evolve(prompt, token_bytes=state.tokenizer.token_bytes)
+    return Call(request, prompt, ResponsesEncoder(shell, toolbox, prompt.token_bytes))
 
 
 class ResponsesEncoder:
@@ -67,8 +83,10 @@ class ResponsesEncoder:
     ping_every = None
     waits_for_admission = False
 
-    def __init__(self, shell: dict, toolbox: Toolbox):
-        self.shell, self.toolbox = shell, toolbox
+    def __init__(self, shell: dict, toolbox: Toolbox, token_bytes=None):
+        """token_bytes: a token id's bytes, where log-probs were included (else None)."""
+        self.shell, self.toolbox, self.token_bytes = shell, toolbox, token_bytes
+        self.pending: list = []  # the TokenLogprobs of the message text that comes next
         self.number = 0
         self.output: list[dict] = []
         self.open_item: dict | None = None  # the message or reasoning item being streamed
@@ -79,9 +97,13 @@ class ResponsesEncoder:
                 self._sse("response.in_progress", response=shell)]  # fmt: skip
 
     def feed(self, item) -> list[Frame]:
+        if isinstance(item, Logprobs):
+            self.pending.extend(item.entries)
+            return []
         if isinstance(item, ToolCall):
             return [*self._close(), *self._call(self.toolbox.item(item))]
         kind = "reasoning" if isinstance(item, Reasoning) else "message"
+        entries, self.pending = self._entries(self.pending), []  # this text's tokens'
         open_item = self.open_item
         if kind == "message" and not item.text.strip():
             if open_item is None or open_item["type"] != "message":
@@ -89,11 +111,16 @@ class ResponsesEncoder:
         out = []
         if open_item is None or open_item["type"] != kind:
             out = [*self._close(), *self._open(kind)]
-        self.open_item["content"][0]["text"] += item.text
+        part = self.open_item["content"][0]
+        part["text"] += item.text
         delta = "response.reasoning_text.delta" if kind == "reasoning" else (
             "response.output_text.delta")  # fmt: skip
+        logprobs = {}
+        if entries is not None and kind == "message":
+            part["logprobs"].extend(entries)
+            logprobs = {"logprobs": entries}
         out.append(self._sse(delta, item_id=self.open_item["id"], output_index=len(self.output),
-                             content_index=0, delta=item.text))  # fmt: skip
+                             content_index=0, delta=item.text, **logprobs))  # fmt: skip
         return out
 
     def finish(self, done: Finished) -> list[Frame]:
@@ -126,7 +153,8 @@ class ResponsesEncoder:
         if reasoning:
             output.append(_reasoning_item(new_id("rs"), reasoning))
         if text.strip() or not calls:
-            output.append(_message_item(new_id("msg"), text))
+            logprobs = self._entries(answer.logprobs)
+            output.append(_message_item(new_id("msg"), text, logprobs=logprobs))
         output.extend(calls)
         return self._response(answer.done, output)
 
@@ -148,6 +176,10 @@ class ResponsesEncoder:
         if done.reason == "length":
             response["incomplete_details"] = {"reason": "max_output_tokens"}
         return response
+
+    def _entries(self, entries) -> list[dict] | None:
+        """OpenAI's entries of these tokens, where log-probs were included (else None)."""
+        return None if self.token_bytes is None else openai_entries(entries, self.token_bytes)
 
     def _sse(self, kind: str, **fields) -> Frame:
         self.number += 1
@@ -177,9 +209,11 @@ class ResponsesEncoder:
         index = len(self.output)
         text = item["content"][0]["text"]
         if item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": []}
+            part = item["content"][0]  # its logprobs too, where included
+            logprobs = {"logprobs": part["logprobs"]} if "logprobs" in part else {}
             done = self._sse("response.output_text.done", item_id=item["id"],
-                             output_index=index, content_index=0, text=text)  # fmt: skip
+                             output_index=index, content_index=0, text=text,
+                             **logprobs)  # fmt: skip
         else:
             part = {"type": "reasoning_text", "text": text}
             done = self._sse("response.reasoning_text.done", item_id=item["id"],
@@ -198,8 +232,11 @@ class ResponsesEncoder:
     def _open(self, kind: str) -> list[Frame]:
         index = len(self.output)
         if kind == "message":
-            self.open_item = _message_item(new_id("msg"), "", status="in_progress")
+            logprobs = None if self.token_bytes is None else []
+            self.open_item = _message_item(new_id("msg"), "", "in_progress", logprobs)
             part = {"type": "output_text", "text": "", "annotations": []}
+            if logprobs is not None:
+                part["logprobs"] = []
         else:
             self.open_item = _reasoning_item(new_id("rs"), "")
             part = {"type": "reasoning_text", "text": ""}
@@ -211,14 +248,13 @@ class ResponsesEncoder:
         ]  # fmt: skip
 
 
-def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
-    return {
-        "type": "message",
-        "id": item_id,
-        "status": status,
-        "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": []}],
-    }
+def _message_item(item_id: str, text: str, status: str = "completed", logprobs=None) -> dict:
+    """logprobs: the text's tokens' entries, where included (else None: no such field)."""
+    part = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [part]}  # fmt: skip
 
 
 def _reasoning_item(item_id: str, text: str) -> dict:

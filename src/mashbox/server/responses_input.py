@@ -11,6 +11,7 @@ from ..text.parser import ToolCall
 from .chat import ToolChoice
 from .errors import bad_request
 from .openai_chat import message_text
+from .token_logprobs import MAX_TOP_LOGPROBS
 from .validate import Body
 
 HOSTED_TOOLS = {
@@ -31,6 +32,7 @@ class Toolbox:
     def __init__(self, tools: list | None):
         self.functions: list[dict] = []
         self.kinds: dict[str, tuple[str, str | None, str]] = {}  # model name -> (kind, ns, name)
+        self.strict: set[str] = set()  # tools whose calls' arguments follow their parameters
         for i, tool in enumerate(tools or []):
             if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
                 raise bad_request(f"tools[{i}] must be an object with a type", "tools")
@@ -56,6 +58,8 @@ class Toolbox:
             raise bad_request(f"tools[{i}].name is required", "tools")
         shown = f"{ns}{_NS_SEP}{name}" if ns else name
         function = {"name": shown, "parameters": tool.get("parameters") or {"type": "object"}}
+        if tool.get("strict") is not False:  # the Responses API's default: strict
+            self.strict.add(shown)
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         self.functions.append({"type": "function", "function": function})
@@ -218,15 +222,14 @@ def thinking_of(body: Body) -> bool:
     return effort is not None and effort not in ("none", "minimal")
 
 
-def refuse_unsupported(body: Body) -> None:
-    include = body.list("include") or []
-    if any(isinstance(x, str) and "logprobs" in x for x in include):
-        raise bad_request("include: log probabilities are not supported", "include")
-    body.refuse("top_logprobs", "log probabilities are not returned")
-    text = body.object("text")
-    fmt = text.object("format") if text else None
-    if fmt is not None and fmt.raw("type", "text") != "text":
-        raise bad_request("text.format: only {'type': 'text'} is supported", "text")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def logprobs_asked(body: Body) -> int:
+    """-1 unless `include` names message.output_text.logprobs; else how many likeliest tokens
+    to list beside each generated one (`top_logprobs`, 0-20; without the include, nothing)."""
+    top = body.int("top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    return (top or 0) if LOGPROBS_INCLUDE in (body.list("include") or []) else -1
 
 
 def max_tokens_field(body: Body) -> Body:

@@ -8,6 +8,9 @@ The events do not depend on how the text was split: merging adjacent Reasoning (
 events of `feed()` calls plus `finish()` gives the same list for any split. Partial tags are
 held back exactly as a stop-string matcher holds back a partial stop.
 
+Each event knows where its text starts in the text fed (`start`, in characters; a ToolCall's
+`raw` starts there), so a route can tell which generated tokens each event holds.
+
 Whitespace that only separates blocks is dropped, so splits cannot change it:
 
 - Reasoning loses its leading newlines (right after `<think>`) and its trailing newlines
@@ -32,6 +35,7 @@ class Reasoning:
     """Thinking text (inside `<think>...</think>`)."""
 
     text: str
+    start: int | None = attrs.field(default=None, eq=False, repr=False, kw_only=True)
 
 
 @attrs.frozen
@@ -39,6 +43,7 @@ class Content:
     """Answer text."""
 
     text: str
+    start: int | None = attrs.field(default=None, eq=False, repr=False, kw_only=True)
 
 
 @attrs.frozen
@@ -52,6 +57,7 @@ class ToolCall:
     name: str
     arguments: str
     raw: str
+    start: int | None = attrs.field(default=None, eq=False, repr=False, kw_only=True)
 
 
 @attrs.frozen
@@ -59,6 +65,7 @@ class InvalidToolCall:
     """Tool-call markup without valid JSON naming a tool; adapters render it as content."""
 
     text: str
+    start: int | None = attrs.field(default=None, eq=False, repr=False, kw_only=True)
 
 
 Event = Reasoning | Content | ToolCall | InvalidToolCall
@@ -70,7 +77,7 @@ def merge(events: list[Event]) -> list[Event]:
     for event in events:
         last = out[-1] if out else None
         if isinstance(event, Reasoning | Content) and type(last) is type(event):
-            out[-1] = type(event)(last.text + event.text)
+            out[-1] = attrs.evolve(last, text=last.text + event.text)
         else:
             out.append(event)
     return out
@@ -115,6 +122,7 @@ class OutputParser:
             tag for tag, on in ((self._think_open, reasoning), (self._tool_open, tools)) if on
         )
         self._buf = ""
+        self._fed = 0  # characters fed so far (where `start` counts from)
         # Set at a block boundary (tag seen, or opened by the prompt); cleared once the text
         # that follows has emitted a non-space character.
         self._strip_lead = in_reasoning
@@ -131,9 +139,15 @@ class OutputParser:
         """Whether the text fed so far ends inside reasoning."""
         return self._state is _State.REASONING
 
+    @property
+    def fed(self) -> int:
+        """How many characters were fed so far: where the next one's `start` would be."""
+        return self._fed
+
     def feed(self, text: str) -> list[Event]:
         """Add output text; return the events it completes."""
         self._buf += text
+        self._fed += len(text)
         events: list[Event] = []
         while self._step(events):
             pass
@@ -142,18 +156,19 @@ class OutputParser:
     def finish(self) -> list[Event]:
         """End the generation: return events for the text still held back."""
         held, self._buf = self._buf, ""
+        start = self._fed - len(held)
         if self._state is _State.CONTENT:
             # Held content is trailing whitespace, maybe followed by part of a tag.
-            return [Content(held)] if held else []
+            return [Content(held, start=start)] if held else []
         if self._state is _State.REASONING:
             # Held reasoning is newlines, maybe followed by part of </think>.
             text = held.rstrip("\n")
-            return [Reasoning(text)] if text else []
+            return [Reasoning(text, start=start)] if text else []
         # Models often stop at EOS right after the JSON, without the close tag.
         body = held[: len(held) - _partial_suffix(held, (self._tool_close,))]
-        event = self._tool_call(body)
+        event = self._tool_call(body, start)
         if isinstance(event, InvalidToolCall):
-            event = InvalidToolCall(self._tool_open + held)
+            event = InvalidToolCall(self._tool_open + held, start=event.start)
         return [event]
 
     def _step(self, events: list[Event]) -> bool:
@@ -169,7 +184,7 @@ class OutputParser:
         at, tag = _first_tag(buf, self._opening)
         if tag is not None:
             if text := buf[:at].rstrip():
-                events.append(Content(text))
+                events.append(Content(text, start=self._fed - len(buf)))
             self._buf = buf[at + len(tag) :]
             self._strip_lead = True
             if tag == self._tool_open:
@@ -181,7 +196,7 @@ class OutputParser:
         # Trailing whitespace waits: it is dropped if an opening tag follows.
         text = buf[:safe].rstrip() if self._opening else buf[:safe]
         if text:
-            events.append(Content(text))
+            events.append(Content(text, start=self._fed - len(buf)))
             self._strip_lead = False
         self._buf = buf[len(text) :]
         return False
@@ -191,14 +206,14 @@ class OutputParser:
         at = buf.find(self._think_close)
         if at >= 0:
             if text := buf[:at].rstrip("\n"):
-                events.append(Reasoning(text))
+                events.append(Reasoning(text, start=self._fed - len(buf)))
             self._buf = buf[at + len(self._think_close) :]
             self._state, self._strip_lead = _State.CONTENT, True
             return True
         safe = len(buf) - _partial_suffix(buf, (self._think_close,))
         # Trailing newlines wait: they are dropped if </think> follows.
         if text := buf[:safe].rstrip("\n"):
-            events.append(Reasoning(text))
+            events.append(Reasoning(text, start=self._fed - len(buf)))
             self._strip_lead = False
         self._buf = buf[len(text) :]
         return False
@@ -209,17 +224,19 @@ class OutputParser:
             self._scanned = max(0, len(self._buf) - len(self._tool_close) + 1)
             return False
         body = self._buf[:at]
-        events.append(self._tool_call(body))
+        events.append(self._tool_call(body, self._fed - len(self._buf)))
         self._buf = self._buf[at + len(self._tool_close) :]
         self._state, self._strip_lead = _State.CONTENT, True
         return True
 
-    def _tool_call(self, body: str) -> ToolCall | InvalidToolCall:
-        """Parse a tool-call body (Hermes/Qwen JSON) into a ToolCall, or mark it invalid."""
+    def _tool_call(self, body: str, start: int) -> ToolCall | InvalidToolCall:
+        """Parse a tool-call body (Hermes/Qwen JSON) that starts at `start` into a ToolCall,
+        or mark it invalid (the markup, its open tag included, is then the text)."""
         call = call_from_json(body)
-        return (
-            call if call is not None else InvalidToolCall(self._tool_open + body + self._tool_close)
-        )
+        if call is not None:
+            return attrs.evolve(call, start=start)
+        markup = self._tool_open + body + self._tool_close
+        return InvalidToolCall(markup, start=start - len(self._tool_open))
 
 
 def call_from_json(body: str) -> ToolCall | None:
