@@ -127,6 +127,7 @@ class Engine:
         dtype=None,
         decode_weights: str = "float",
         graph_decode: bool | None = None,
+        grammar_masks: GrammarMasks | None = None,
     ):
         """graph_decode: decode as fixed-shape steps, CUDA graphs on a GPU (graph_decode.py);
         None: as $MASHBOX_GRAPH_DECODE says, else on CUDA with float decode weights."""
@@ -167,7 +168,7 @@ class Engine:
             else PlainDecoder(self.model, self.cache)
         )
         self.slots: list[_SlotState | None] = [None] * slots
-        self.grammar_masks = GrammarMasks(Path(path))
+        self.grammar_masks = grammar_masks or GrammarMasks(Path(path))
         self.host_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # prompt cache
         self.pooled: dict[int, torch.Tensor] = {}  # embeddings: hidden-state sums so far
         self.info = EngineInfo(

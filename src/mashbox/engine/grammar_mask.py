@@ -25,7 +25,7 @@ log = logging.getLogger("mashbox.engine")
 class GrammarMasks:
     """The model's vocabulary for llguidance, read from the model's own files, and the
     grammars compiled against it. `start` reads it in a background thread (the worker does,
-    once the engine is ready); else the first constrained row reads it (~0.4 s for 50k
+    while the weights load); else the first constrained row reads it (~0.4 s for 50k
     tokens, 1.6 s for 150k)."""
 
     def __init__(self, model_path: Path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from pathlib import Path
 
 import attrs
 
@@ -22,15 +23,27 @@ def worker_main(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     from .engine import Engine
     from .faults import Faults
+    from .grammar_mask import GrammarMasks
 
     try:
         faults = Faults()
-        engine = Engine(path, slots=slots, ctx=ctx, device=device, decode_weights=decode_weights)
+        # llguidance's view of the vocabulary is read while the weights load, and is ready
+        # with them: neither the first constrained row nor the first steps wait on it.
+        masks = GrammarMasks(Path(path))
+        masks.start()
+        engine = Engine(
+            path,
+            slots=slots,
+            ctx=ctx,
+            device=device,
+            decode_weights=decode_weights,
+            grammar_masks=masks,
+        )
+        masks.grammars()
     except Exception as exc:
         conn.send(WorkerFailed(f"cannot load {path}: {exc}"))
         return
     conn.send(engine.info)
-    engine.grammar_masks.start()  # llguidance's view of the vocabulary, off the first step
     held = None  # a message read early, while looking for a join
     while True:
         try:
