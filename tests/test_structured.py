@@ -6,6 +6,7 @@ a cached prefix and after a restart."""
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
@@ -157,6 +158,26 @@ def test_responses_text_format_and_strict_function_tools(default_server):
     assert calls
     for call in calls:
         jsonschema.validate(json.loads(call.arguments), WEATHER)
+
+
+@pytest.mark.slow
+def test_a_custom_tools_regex_holds_its_input(default_server):
+    """Responses custom tools with format grammar/regex: the call's input matches it whole."""
+    client = openai.OpenAI(base_url=default_server.url + "/v1", api_key="x", max_retries=0)
+    regex = r"[1-9]d(4|6|8|20)"
+    dice = {"type": "custom", "name": "roll", "description": "Roll dice.",
+            "format": {"type": "grammar", "syntax": "regex", "definition": regex}}  # fmt: skip
+    for seed in range(4):
+        r = client.responses.create(
+            model=MODEL, input="Roll some dice for me.", tools=[dice], temperature=1,
+            tool_choice={"type": "custom", "name": "roll"}, max_output_tokens=60,
+            extra_body={"seed": seed},
+        )  # fmt: skip
+        (call,) = [item for item in r.output if item.type == "custom_tool_call"]
+        assert re.fullmatch(regex, call.input), call.input
+    bad = {**dice, "format": "regex"}
+    r = httpx.post(default_server.url + "/v1/responses", json={"input": "x", "tools": [bad]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 
 
 @pytest.mark.slow

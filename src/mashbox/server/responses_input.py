@@ -71,16 +71,18 @@ class Toolbox:
             raise bad_request(f"tools[{i}].name is required", "tools")
         description = tool.get("description") or ""
         fmt = tool.get("format") or {}
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("definition", ""), str):
+            raise bad_request(f"tools[{i}].format must be an object", "tools")
+        text = {"type": "string", "description": "The raw input."}
         if fmt.get("type") == "grammar":
             description += (
                 f"\nThe input must follow this {fmt.get('syntax', '')} grammar:\n"
                 f"{fmt.get('definition', '')}"
             )
-        parameters = {
-            "type": "object",
-            "properties": {"input": {"type": "string", "description": "The raw input."}},
-            "required": ["input"],
-        }
+            if fmt.get("syntax") == "regex":  # held to it (structured.py); Lark is described
+                text["pattern"] = f"^(?:{fmt.get('definition', '')})$"
+                self.strict.add(name)
+        parameters = {"type": "object", "properties": {"input": text}, "required": ["input"]}
         function = {"name": name, "description": description.strip(), "parameters": parameters}
         self.functions.append({"type": "function", "function": function})
         self.kinds[name] = ("custom", None, name)
