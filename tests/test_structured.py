@@ -202,6 +202,17 @@ def test_anthropic_output_config_format_and_strict_tools(default_server):
     jsonschema.validate(use.input, WEATHER)
 
 
+def test_completions_take_a_response_format_as_vllm_does(server):
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}},
+              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    for seed in range(3):
+        body = {"prompt": "Some JSON:", "max_tokens": 40, "temperature": 1, "seed": seed,
+                "response_format": fmt}  # fmt: skip
+        choice = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+        jsonschema.validate(json.loads(choice["choices"][0]["text"]), schema)
+
+
 def test_refusals_name_the_field_and_what_is_refused(server):
     def post(path, body):
         return httpx.post(server.url + path, json=body, timeout=30)

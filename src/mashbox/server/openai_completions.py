@@ -9,6 +9,7 @@ import time
 import attrs
 
 from ..events import Finished, TokenLogprob
+from . import structured
 from .chat import Answer, Logprobs
 from .driver import Call, Frame, OneFieldFrame, frame
 from .errors import bad_request
@@ -45,6 +46,9 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     request = build_request(
         body, state, ids, tenant, logprobs=-1 if top is None else top, most_choices=MAX_CHOICES
     )
+    # vLLM's extension, which OpenAI's completions lack: the continuation follows a schema.
+    answer = structured.answer_schema(body.object("response_format"), "response_format")
+    request = await structured.constrain(state, request, None, answer=answer)
     fingerprint = system_fingerprint(state, request)
     token_text = None if top is None else _token_text(state.tokenizer)
     encoder = CompletionEncoder(state.model_id, fingerprint, include_usage(body), token_text)

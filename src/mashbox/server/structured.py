@@ -31,6 +31,7 @@ ANY_OBJECT = {"type": "object"}
 
 _WS = r"/[ \n]*/"
 AUTO = ToolChoice()
+PLAIN = ChatPrompt("", reasoning=False, in_reasoning=False, tools_offered=False, forced_prefix=None)
 
 
 @attrs.frozen
@@ -106,7 +107,7 @@ def _free_answer(answer: AnswerSchema | None, tools: list[dict] | None, parallel
 
 
 def grammar_for(
-    prompt: ChatPrompt,
+    prompt: ChatPrompt | None,
     *,
     answer: AnswerSchema | None = None,
     tools: list[dict] | None = None,
@@ -117,7 +118,8 @@ def grammar_for(
 ) -> str:
     """The request's grammar, or "" when nothing constrains the answer. strict: the names of
     the tools whose calls must follow their parameters (default: those marked strict); a
-    forced call always does."""
+    forced call always does. prompt None: plain completions (no chat markup, no thinking)."""
+    prompt = prompt or PLAIN
     tools = tools if prompt.tools_offered else None
     functions = [t.get("function") or {} for t in tools or ()]
     if strict is None:
@@ -204,7 +206,7 @@ def answer_schema(fmt, field: str, *, strict_default: bool = False) -> AnswerSch
 async def constrain(
     state: ServerState,
     request: Request,
-    prompt: ChatPrompt,
+    prompt: ChatPrompt | None,
     *,
     answer: AnswerSchema | None = None,
     tools: list[dict] | None = None,
