@@ -204,27 +204,12 @@ def answer_schema(fmt, field: str, *, strict_default: bool = False) -> AnswerSch
 
 
 async def constrain(
-    state: ServerState,
-    request: Request,
-    prompt: ChatPrompt | None,
-    *,
-    answer: AnswerSchema | None = None,
-    tools: list[dict] | None = None,
-    choice: ToolChoice = AUTO,
-    parallel: bool = True,
-    strict: Collection[str] | None = None,
+    state: ServerState, request: Request, prompt: ChatPrompt | None, **asked
 ) -> Request:
-    """`request` with the grammar its answer must follow, checked (a 400 if it cannot be).
-    parallel: more than one tool call may follow the first."""
-    grammar = grammar_for(
-        prompt,
-        answer=answer,
-        tools=tools,
-        choice=choice,
-        parallel=parallel,
-        strict=strict,
-        defuse=state.tokenizer.defuse,
-    )
+    """`request` with the grammar its answer must follow, checked (a 400 if it cannot be);
+    `asked`: what grammar_for takes (answer, tools, choice, parallel, strict)."""
+    grammar = grammar_for(prompt, defuse=state.tokenizer.defuse, **asked)
+    answer = asked.get("answer")
     if not grammar:
         return request
     await check(state, grammar, answer.field if answer else "tools")
