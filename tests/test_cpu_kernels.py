@@ -119,7 +119,7 @@ LIMITS = {"int8": 127, "int16": 32767}  # the largest |xq| of each activation ty
 
 
 def round_blocks(x: torch.Tensor, activations: str):
-    """What q4a8 / q4a16 multiply by, as blocks_gemm.cpp's quantize_rows computes it: per block
+    """What q4a8 / q4a16 multiply by, as rounded_gemm.cpp's quantize_rows computes it: per block
     of 32, dx = max|x| / LIMIT and xq = x / dx rounded to the nearest (even) integer."""
     b = x.view(x.shape[0], -1, 32)
     dx = b.abs().amax(-1) / LIMITS[activations]

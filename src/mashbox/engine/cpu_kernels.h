@@ -158,6 +158,19 @@ static inline int64_t vec_offset(int v, int64_t tile_stride) {
 // Accumulators a register file holds with room to spare: 16 ymm (AVX2) or 32 zmm.
 constexpr int ACCUMULATORS = LANES == 16 ? 16 : 8;
 
+// What the block kernels share (blocks_gemm.cpp, rounded_gemm.cpp). The finished sums of MB
+// rows x V vectors into y (out: [MB][V * LANES], vectors as in the kernels' blocks).
+template <int V, int MB>
+static inline void store_rows(const float (&out)[MB][V * LANES], float* y, int64_t n0,
+                              int64_t m0, int64_t N) {
+  _Pragma("GCC unroll 16") for (int j = 0; j < MB; ++j)
+    _Pragma("GCC unroll 16") for (int v = 0; v < V; ++v)
+      vstoreu(y + (m0 + j) * N + n0 + vec_offset(v, TILE_LANES), vload(out[j] + v * LANES));
+}
+// LANES of a Q4 block's d or m: fp16 as Q4_0 / Q4_1 store them, or float32 (Q4_K's groups).
+static inline vfloat load_scales(const uint16_t* p) { return from_half(p); }
+static inline vfloat load_scales(const float* p) { return vloadu(p); }
+
 // f(i) for every i in [0, n) on torch's threads, which take `chunk` indices at a time as they
 // become free. A static split (at::parallel_for) makes the whole call wait for a thread that
 // lost its core to another process, and on two cores the server's own work does that every
@@ -194,9 +207,12 @@ void int8_gemm(const float* x, const int8_t* p, const float* scale, float* y, in
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor p, torch::Tensor scale);
 
 // The same with a GGUF file's own Q4_0/Q4_1 or Q8_0 blocks, packed by pack_q4 / pack_q8
-// (blocks_gemm.cpp); N and K multiples of 32.
+// (blocks_gemm.cpp); N and K multiples of 32. Each Q4 kernel also takes float32 d and m
+// (Q4_K's groups of 32: int4.py).
 void q4_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
              int64_t K, int64_t N);
+void q4_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M, int64_t K,
+             int64_t N);
 void q8_gemm(const float* x, const int8_t* qs, const uint16_t* d, float* y, int64_t M,
              int64_t K, int64_t N);
 
@@ -204,9 +220,13 @@ void q8_gemm(const float* x, const int8_t* qs, const uint16_t* d, float* y, int6
 // Q8_1), exact integer dot products: qs packed by pack_q4a8, dm as pack_q4's.
 void q4a8_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
                int64_t K, int64_t N);
+void q4a8_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
+               int64_t K, int64_t N);
 // The same with int16 activations per block (dx = max|x| / 32767: ~256x finer than int8,
 // near float32) and pack_q4's layout: q4_gemm's weights, integer dot products.
 void q4a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
+                int64_t K, int64_t N);
+void q4a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
                 int64_t K, int64_t N);
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);

@@ -6,10 +6,12 @@
   in float32 (closer to the float path) and sums every output in one order, so a row's bits
   do not depend on the batch.
 - `blocks_gemm.cpp`: the same with a GGUF file's own Q4_0/Q4_1 and Q8_0 blocks read as
-  stored (packed by `pack_q4` / `pack_q8`): the file's weights exactly. And `q4a16` /
-  `q4a8`: the Q4 blocks (`q4a8` packed by `pack_q4a8`) with activations rounded per block
-  of 32 to int16 / int8 (llama.cpp's rounding), for exact integer dot products (VNNI where
-  there is): ~1.2-1.7x / ~1.8-2.4x the float32-activation kernel.
+  stored (packed by `pack_q4` / `pack_q8`): the file's weights exactly; Q4_K's too, as groups
+  of 32 with float32 d and m (int4.py).
+- `rounded_gemm.cpp`: `q4a16` / `q4a8`, the Q4 blocks (`q4a8` packed by `pack_q4a8`) with
+  activations rounded per block of 32 to int16 / int8 (llama.cpp's rounding), for exact
+  integer dot products (VNNI where there is): ~1.2-1.7x / ~1.8-2.4x the float32-activation
+  kernel.
 - `decode_layers.cpp`: `DecodeStack`, a whole decode step (every layer) in one call, with
   no torch op dispatch per norm, RoPE or residual.
 
@@ -229,6 +231,11 @@ def _check_cases(module, n: int, g: torch.Generator) -> list[tuple]:
     w4 = q4.double() * per_block(d4) + per_block(m4)
     qs4, dm4 = pack_q4(q4, d4, m4)
     qs4a8 = pack_q4a8(q4)
+    # float32 d and m (Q4_K's d * sc and -dmin * mn), kept small enough to stay exact
+    d4k = d4.float() * ints(1, 4, (n, blocks))
+    m4k = m4.float() * ints(1, 4, (n, blocks))
+    w4k = q4.double() * per_block(d4k) + per_block(m4k)
+    _, dm4k = pack_q4(q4, d4k, m4k)
     d8 = (2.0 ** -ints(7, 9, (n, blocks))).half()
     qs8, ds8 = pack_q8(q8, d8)
     packed8, w8 = pack_int8(q8), q8.double() / 128
@@ -239,6 +246,9 @@ def _check_cases(module, n: int, g: torch.Generator) -> list[tuple]:
         ("q4_linear", lambda x: module.q4_linear(x, qs4, dm4), w4, float_x),
         ("q4a16_linear", lambda x: module.q4a16_linear(x, qs4, dm4), w4, x16),
         ("q4a8_linear", lambda x: module.q4a8_linear(x, qs4a8, dm4), w4, x8),
+        ("q4_linear (float32 d, m)", lambda x: module.q4_linear(x, qs4, dm4k), w4k, float_x),
+        ("q4a16_linear (float32 d, m)", lambda x: module.q4a16_linear(x, qs4, dm4k), w4k, x16),
+        ("q4a8_linear (float32 d, m)", lambda x: module.q4a8_linear(x, qs4a8, dm4k), w4k, x8),
         ("q8_linear", lambda x: module.q8_linear(x, qs8, ds8), w_q8, float_x),
     ]
 
@@ -258,9 +268,9 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A GGUF matrix's 4-bit blocks as q4_gemm (blocks_gemm.cpp) reads them: q uint8 [N, K]
-    in 0..15 and fp16 d, m [N, K / 32] (w = q * d + m) -> qs uint8 [N / 32, K / 2, 32]
-    (weights k and k + 1 of an output in one byte, low nibble first) and dm fp16
-    [N / 32, K / 32, 2, 32]."""
+    in 0..15 and fp16 (or float32: Q4_K's) d, m [N, K / 32] (w = q * d + m) -> qs uint8
+    [N / 32, K / 2, 32] (weights k and k + 1 of an output in one byte, low nibble first) and
+    dm [N / 32, K / 32, 2, 32] in d's dtype."""
     n, k = q.shape
     tiles = q.view(n // TILE, TILE, k).transpose(1, 2)  # [N / 32, K, 32]
     qs = (tiles[:, 0::2] | (tiles[:, 1::2] << 4)).contiguous()

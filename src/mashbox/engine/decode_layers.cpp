@@ -106,12 +106,13 @@ static void attend(const float* q, const float* k, const float* v, float* out, i
 
 // A decode matrix, told apart by its tensors' dtypes: int8 per output channel (int8 packed
 // weights, float32 scales: int8_gemm.cpp), or a GGUF's own Q4 blocks (uint8 qs, fp16 d and
-// m; 4-dim qs: for int8 activations) or Q8_0 blocks (int8 qs, fp16 d: blocks_gemm.cpp).
+// m, or float32 for Q4_K's; 4-dim qs: for int8 activations) or Q8_0 blocks (int8 qs, fp16 d:
+// blocks_gemm.cpp).
 struct Mat {
   torch::Tensor a, b;
   int64_t q4_activation_bits = 32;  // what Q4 blocks multiply: float32, int16 or int8 x
-  bool int8() const { return b.scalar_type() == torch::kFloat; }
   bool q4() const { return a.scalar_type() == torch::kByte; }
+  bool int8() const { return !q4() && b.scalar_type() == torch::kFloat; }
   bool q4a8() const { return q4() && a.dim() == 4; }  // pack_q4a8's [N/32][K/8][32][4]
   int64_t n() const { return int8() ? b.size(0) : a.size(0) * 32; }
   int64_t k() const { return q4a8() ? a.size(1) * 8 : q4() ? a.size(1) * 2 : a.size(1); }
@@ -120,15 +121,24 @@ struct Mat {
       int8_gemm(x, a.data_ptr<int8_t>(), b.data_ptr<float>(), y, rows, k(), n());
       return;
     }
+    if (q4() && b.scalar_type() == torch::kFloat) {
+      run_q4(x, b.data_ptr<float>(), y, rows);
+      return;
+    }
     const auto* scales = reinterpret_cast<const uint16_t*>(b.data_ptr<at::Half>());
-    if (q4a8())
-      q4a8_gemm(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n());
-    else if (q4() && q4_activation_bits == 16)
-      q4a16_gemm(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n());
-    else if (q4())
-      q4_gemm(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n());
+    if (q4())
+      run_q4(x, scales, y, rows);
     else
       q8_gemm(x, a.data_ptr<int8_t>(), scales, y, rows, k(), n());
+  }
+  template <typename S>  // fp16 (uint16_t) or float32 d and m
+  void run_q4(const float* x, const S* scales, float* y, int64_t rows) const {
+    if (q4a8())
+      q4a8_gemm(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n());
+    else if (q4_activation_bits == 16)
+      q4a16_gemm(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n());
+    else
+      q4_gemm(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n());
   }
 };
 

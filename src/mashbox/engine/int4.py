@@ -2,10 +2,16 @@
 (`Int4Weight`; its Q8_0 blocks, the same way: q8_weight.py).
 
 A Q4_1 block is 32 weights w = q * d + m (q in 0..15, d and m fp16); a Q4_0 block is
-w = (q - 8) * d, that is m = -8 d. Two kernels read them:
-- mashbox's (blocks_gemm.cpp, where the CPU kernels build): q, d and m as stored, times
-  float32 activations, or activations rounded per block of 32 to int16 or int8 for exact
-  integer dot products (faster; int8 is llama.cpp's rounding): the file's weights exactly.
+w = (q - 8) * d, that is m = -8 d. A Q4_K block (llama.cpp's k-quants) is 256 weights in 144
+bytes: d and dmin (fp16), eight 6-bit scales sc and mins mn packed in 12 bytes, 128 bytes of
+nibbles; its sub-block j is w = (d * sc_j) * q - dmin * mn_j, a Q4_1 group whose d and m,
+an fp16 times a 6-bit integer (17 significant bits), are exact in float32 but not always in
+fp16: kept as float32, 0.75 bytes a weight where the file has 0.5625 (mashbox's kernels
+only: torch's would round them to bf16). Two kernels read them:
+- mashbox's (blocks_gemm.cpp and rounded_gemm.cpp, where the CPU kernels build): q, d and m
+  as stored, times float32 activations, or activations rounded per block of 32 to int16 or
+  int8 for exact integer dot products (faster; int8 is llama.cpp's rounding): the file's
+  weights exactly.
 - torch's `_weight_int4pack_mm_for_cpu`, which computes w = (q - 8) * scale + zero per group
   of 32: scale = d, zero = m + 8 d. In float32 that is exact whenever m + 8 d is (every
   block of SmolLM2), but the kernel is only fast with bf16 activations, and its scales must
@@ -23,7 +29,8 @@ from . import cpu_kernels
 from .weights import RawBlocks
 
 GROUP = 32  # the GGUF block: one kernel group
-EXACT_QTYPES = (Q.Q4_0, Q.Q4_1)
+EXACT_QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+K_QTYPES = (Q.Q4_K,)  # whose groups take float32 d and m: mashbox's kernels only
 KEPT_QTYPES = (*EXACT_QTYPES, Q.Q8_0)  # the blocks an int4 engine loads as stored
 # Decode weights that read those blocks, and what their 4-bit matrices multiply: float32
 # activations, or activations rounded per block of 32 to int16 (near float32) or int8.
@@ -44,14 +51,43 @@ def fits(blocks: list[RawBlocks | None]) -> bool:
     """Whether the blocks of a matrix's parts (merged along the output dim) can go int4."""
     if any(b is None or b.qtype not in EXACT_QTYPES for b in blocks):
         return False
+    rows = sum(b.data.shape[0] for b in blocks)
+    if any(b.qtype in K_QTYPES for b in blocks):
+        return rows % cpu_kernels.TILE == 0 and cpu_kernels.load() is not None
     # The kernel packs output rows in groups of 16.
-    return sum(b.data.shape[0] for b in blocks) % 16 == 0
+    return rows % 16 == 0
+
+
+def q4_k_scales(packed: Tensor) -> tuple[Tensor, Tensor]:
+    """Each Q4_K block's 8 six-bit scales and mins, uint8 [..., 8] each, from its 12 bytes:
+    sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 in
+    the nibbles of bytes 8-11 (low: scale, high: min), their top 2 bits in the top 2 bits of
+    bytes 0-3 (scales) and 4-7 (mins)."""
+    low, high, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat([low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)], dim=-1)
+    return scales, mins
+
+
+def unpack_q4_k(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_K blocks uint8 [N, K / 256, 144] as groups of 32: nibbles uint8 [N, K] and float32
+    d = d * sc, m = -dmin * mn [N, K / 32], both exact: w = q * d + m (gguf's d * q - dm)."""
+    n = b.shape[0]
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, K / 256, 1]
+    dmin = b[..., 2:4].contiguous().view(torch.float16).float()
+    sc, mn = q4_k_scales(b[..., 4:16])
+    # 32 bytes per pair of sub-blocks: sub-block 2i in their low nibbles, 2i + 1 in the high.
+    qs = b[..., 16:].reshape(n, -1, 4, 1, 32)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(n, -1)
+    return q, (d * sc.float()).reshape(n, -1), (-(dmin * mn.float())).reshape(n, -1)
 
 
 def unpack(blocks: RawBlocks) -> tuple[Tensor, Tensor, Tensor]:
     """Nibbles uint8 [N, K] and each block's d and m, fp16 [N, K / 32], as stored (Q4_0:
-    m = -8 d, exact in fp16): w = q * d + m."""
+    m = -8 d, exact in fp16), or float32 for Q4_K's groups of 32: w = q * d + m."""
     b = blocks.data
+    if blocks.qtype == Q.Q4_K:
+        return unpack_q4_k(b)
     d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
     if blocks.qtype == Q.Q4_1:
         m = b[..., 2:4].contiguous().view(torch.float16)[..., 0]
@@ -79,6 +115,7 @@ class Int4Weight:
         if w.device.type != "cpu":
             raise ValueError("int4 decode weights run on the CPU only")
         parts = [unpack(b) for b in blocks]
+        # fp16 d and m where every part has them; float32 (exactly the same values) with Q4_K
         q, d, m = (torch.cat(p) for p in zip(*parts, strict=True))
         if q.shape != w.shape:
             raise ValueError(f"blocks of shape {tuple(q.shape)} for a weight {tuple(w.shape)}")

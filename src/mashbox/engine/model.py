@@ -147,8 +147,9 @@ class Model:
         )
         if not usable:
             return None
-        # What the 4-bit matrices multiply (the others take float32 whatever this says).
-        bits = min(self.layers[0][m].activation_bits for m in mats)
+        # What the 4-bit matrices multiply (the others take float32 whatever this says): any
+        # layer's, not the first's, which may have none (qwen2.5-coder's Q4_K is in ffn_down).
+        bits = min(w[m].activation_bits for w in self.layers for m in mats)
         absent = torch.empty(0)
         layers = [
             [w["attn_norm"], *w["wqkv"].decode_tensors]

@@ -40,7 +40,8 @@ class LoadedWeights:
     n_params: int
 
     # The file's own blocks of the matrices whose type was in `keep_blocks` (GGUF only), in
-    # the same row order as `tensors`: the int4 decode path loads Q4_0/Q4_1 exactly from them.
+    # the same row order as `tensors`: the int4 decode path loads Q4_0/Q4_1/Q4_K exactly
+    # from them.
     blocks: dict[str, RawBlocks] = attrs.field(factory=dict)
 
     @property
