@@ -91,11 +91,35 @@ class Save:
 
 @message
 class Restore:
-    """Copy the first `n` positions of prompt-cache `entry` back into `slot`."""
+    """Copy the first `n` positions of prompt-cache `entry` back into `slot`. An entry on
+    disk is read from `file` (a name in --cache-dir); should that file not hold `tokens`
+    (the n restored) whole, the engine prefills them into the slot instead."""
 
     slot: int
     entry: int
     n: int
+    file: str = ""
+    tokens: tuple[int, ...] = ()
+
+
+@message
+class Persist:
+    """Write the KV of `slot`'s first len(tokens) positions (they hold `tokens`) to the disk
+    cache as file `name`, for `tenant`: a prefix that repeats, kept across restarts."""
+
+    slot: int
+    name: str
+    tenant: str
+    tokens: tuple[int, ...]
+
+
+@message
+class DiskEntry:
+    """A prefix the disk cache holds, as the engine found it at start."""
+
+    name: str
+    tenant: str
+    tokens: tuple[int, ...]
 
 
 @message
@@ -147,6 +171,8 @@ class Step:
     # New work for requests that arrived while step `joins` (decodes only, sent ahead) waited
     # in the pipe: if that step has not started when this one is there, they run as one.
     joins: int = 0
+    persists: tuple[Persist, ...] = ()  # after the restores: the slots hold their prefixes
+    disk_drops: tuple[str, ...] = ()  # disk cache files to remove
 
     def with_join(self, join: Step) -> Step:
         """This step (decodes only) and `join` (new work on other slots) run as one."""
@@ -159,6 +185,8 @@ class Step:
             restores=join.restores,
             shares=join.shares,
             drops=join.drops,
+            persists=join.persists,
+            disk_drops=join.disk_drops,
             decides=join.decides,
         )
 
@@ -179,6 +207,8 @@ class StepResult:
     # slot -> (the sampled token's log-prob, ((token, log-prob), ...) the likeliest first),
     # for slots whose SamplingParams ask for log-probs.
     logprobs: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = attrs.Factory(dict)
+    # Disk cache files a restore found damaged or gone (removed; their tokens prefilled).
+    disk_failed: tuple[str, ...] = ()
 
 
 @message
@@ -201,6 +231,8 @@ class EngineInfo:
     kernels: str = ""  # the CPU kernels decode runs on, e.g. "avx512+vnni (native)"
     kernels_fallback: str = ""  # why decode fell back to torch's ops on a CPU, with the remedy
     compiles: int = 0  # programs compiled just in time so far (engine.compiles_so_far)
+    disk_key: str = ""  # what the disk cache's files must be made for (disk_cache.disk_key)
+    disk_entries: tuple[DiskEntry, ...] = ()  # what --cache-dir holds, least recently used first
 
     @property
     def decode(self) -> str:

@@ -233,6 +233,8 @@ class Scheduler:
                 batch.on_fault(hung=isinstance(exc, StepTimeout), unseen=self._unseen)
                 await self.worker.restart()
                 continue
+            if result.disk_failed:  # not restored from again; a repeat writes them anew
+                self.prompt_cache.forget_disk(result.disk_failed)
             batch.apply(batch.landed(result), result)
         self._fail_everyone(Failed("the server is shutting down", status=503))
 

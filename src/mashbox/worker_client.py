@@ -46,9 +46,23 @@ class WorkerProcess:
     """One engine process behind a pipe; the scheduler is its only caller."""
 
     def __init__(
-        self, path, *, slots: int, ctx: int, device: str, threads: int, decode_weights="float"
+        self,
+        path,
+        *,
+        slots: int,
+        ctx: int,
+        device: str,
+        threads: int,
+        decode_weights="float",
+        cache_dir=None,
+        cache_dir_bytes: int = 0,
+        model_sha: str = "",
     ):
+        """cache_dir: the prompt cache on disk (off: None), at most cache_dir_bytes; its files
+        are valid for model_sha (the weights' checksum, as the server's identity has it)."""
+        cache_dir = str(cache_dir) if cache_dir is not None else None
         self._args = (str(path), slots, ctx, device, threads, decode_weights)
+        self._args += (cache_dir, cache_dir_bytes, model_sha)
         self._conn = None
         self._process = None
 

@@ -9,9 +9,18 @@ from pathlib import Path
 
 import torch
 
-from ..protocol import PREVIOUS, Admit, Decide, EngineInfo, SamplingParams, Step, StepResult
+from ..protocol import (
+    PREVIOUS,
+    Admit,
+    Decide,
+    EngineInfo,
+    Restore,
+    SamplingParams,
+    Step,
+    StepResult,
+)
 from ..text.constraint import NOTHING, GrammarError
-from . import cpu_kernels, int4
+from . import cpu_kernels, disk_cache, int4
 from . import graph_decode as graph_decode_mod
 from . import weights as weights_mod
 from .grammar_mask import GrammarMasks, allowed
@@ -128,9 +137,14 @@ class Engine:
         decode_weights: str = "float",
         graph_decode: bool | None = None,
         grammar_masks: GrammarMasks | None = None,
+        cache_dir: Path | None = None,
+        cache_dir_bytes: int = 0,
+        model_sha: str = "",
     ):
         """graph_decode: decode as fixed-shape steps, CUDA graphs on a GPU (graph_decode.py);
-        None: as $MASHBOX_GRAPH_DECODE says, else on CUDA with float decode weights."""
+        None: as $MASHBOX_GRAPH_DECODE says, else on CUDA with float decode weights.
+        cache_dir: the prompt cache on disk, at most cache_dir_bytes; its files are valid for
+        model_sha (the registry's sha256; "": what identity.weights_sha hashes of `path`)."""
         # A CPU engine asked for anything but float runs on mashbox's kernels, or says why not.
         kernels = (
             cpu_kernels.report()
@@ -170,6 +184,13 @@ class Engine:
         self.slots: list[_SlotState | None] = [None] * slots
         self.grammar_masks = grammar_masks or GrammarMasks(Path(path))
         self.host_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # prompt cache
+        self.disk = (
+            disk_cache.for_engine(
+                cache_dir, cache_dir_bytes, model_sha, Path(path), self, kernels.kernels
+            )
+            if cache_dir is not None and cache_dir_bytes > 0
+            else None
+        )
         self.pooled: dict[int, torch.Tensor] = {}  # embeddings: hidden-state sums so far
         self.info = EngineInfo(
             arch=self.cfg.arch,
@@ -188,6 +209,8 @@ class Engine:
             kernels=kernels.kernels,
             kernels_fallback=kernels.fallback,
             compiles=compiles_so_far(),
+            disk_key=self.disk.key if self.disk else "",
+            disk_entries=self.disk.scan() if self.disk else (),
         )
 
     @torch.inference_mode()
@@ -200,8 +223,12 @@ class Engine:
             self.host_cache.pop(entry, None)
         for share in step.shares:
             self.cache.copy_prefix(share.source, share.slot, share.n)
-        for restore in step.restores:
-            self.cache.copy_in(restore.slot, self.host_cache[restore.entry], restore.n)
+        disk_failed = tuple(r.file for r in step.restores if not self._restore(r))
+        for name in step.disk_drops:  # before the writes: the directory stays under its cap
+            self.disk.remove(name)
+        for persist in step.persists:  # copied now, written in the background
+            k, v = self.cache.copy_out(persist.slot, len(persist.tokens))
+            self.disk.write(persist.name, persist.tenant, persist.tokens, k, v)
         for admit in step.admits:
             self.slots[admit.slot] = _SlotState(
                 admit, self.cfg.vocab_size, self.device, self.grammar_masks
@@ -243,8 +270,32 @@ class Engine:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         return StepResult(
-            tokens, elapsed, embeddings, decisions, forwards, compiles_so_far(), logprobs=logprobs
+            tokens,
+            elapsed,
+            embeddings,
+            decisions,
+            forwards,
+            compiles_so_far(),
+            logprobs=logprobs,
+            disk_failed=disk_failed,
         )
+
+    def _restore(self, restore: Restore) -> bool:
+        """A saved prefix back into its slot: from host memory, or from disk if the file is
+        whole; else (False) prefilled from its tokens, so the slot holds what the scheduler
+        planned."""
+        if not restore.file:
+            self.cache.copy_in(restore.slot, self.host_cache[restore.entry], restore.n)
+            return True
+        saved = self.disk.read(restore.file, restore.tokens)
+        if saved is not None:
+            self.cache.copy_in(restore.slot, saved, restore.n)
+            return True
+        ids = torch.tensor(restore.tokens, dtype=torch.long, device=self.device)
+        for start in range(0, restore.n, disk_cache.FALLBACK_CHUNK):
+            chunk = ids[start : start + disk_cache.FALLBACK_CHUNK]
+            self.model.prefill(self.cache, restore.slot, start, chunk)
+        return False
 
     def _prefill(self, prefills: list, tokens: dict[int, int], logprobs: dict) -> None:
         """Every generation prefill of the step in one forward; sample where a prompt ends."""

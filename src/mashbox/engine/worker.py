@@ -12,7 +12,16 @@ from ..protocol import Shutdown, Step, WorkerFailed
 
 
 def worker_main(
-    conn, path: str, slots: int, ctx: int, device: str, threads: int, decode_weights: str = "float"
+    conn,
+    path: str,
+    slots: int,
+    ctx: int,
+    device: str,
+    threads: int,
+    decode_weights: str = "float",
+    cache_dir: str | None = None,
+    cache_dir_bytes: int = 0,
+    model_sha: str = "",
 ) -> None:
     """Entry point of the engine process (spawned: it imports torch, the server never does)."""
     import torch
@@ -38,6 +47,9 @@ def worker_main(
             device=device,
             decode_weights=decode_weights,
             grammar_masks=masks,
+            cache_dir=Path(cache_dir) if cache_dir else None,
+            cache_dir_bytes=cache_dir_bytes,
+            model_sha=model_sha,
         )
         masks.grammars()
     except Exception as exc:
