@@ -1,4 +1,4 @@
-"""nox sessions: lint, tests (per Python), e2e (the end-to-end matrix), fuzz, serve, bench.
+"""nox sessions: lint, tests (per Python), e2e (the end-to-end matrix), fuzz, serve, bench, router.
 
 `nox` runs the lean default that fits CI: lint, the whole suite on 3.11 and two e2e cells.
 `nox -l` lists every session and matrix cell; `nox -s NAME` runs one (quote it), `nox -k
@@ -192,3 +192,12 @@ def bench(session: nox.Session) -> None:
     """Decode tokens/s of the default model through the HTTP API at 1 and 4 streams."""
     _install(session)
     session.run("python", "bench/decode_http.py", *session.posargs)
+
+
+@nox.session(python=TORCH_PYTHON, default=False)
+def router(session: nox.Session) -> None:
+    """N replicas and SGLang's model gateway (smg) in front of them on this machine, until
+    Ctrl-C: `nox -s router -- [-n N] [-p POLICY] [MODEL] [-- MASHBOX-ARGS]` (bench/replicas.sh,
+    docs/scale-out.md)."""
+    _install(session)
+    session.run("bash", "bench/replicas.sh", *session.posargs, external=True)

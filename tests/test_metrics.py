@@ -17,6 +17,7 @@ from mashbox.protocol import EngineInfo
 from mashbox.server.app import create_app
 from mashbox.server.identity import model_identity, weights_sha
 from mashbox.server.state import ServerState
+from support.serverproc import serving
 
 MODEL = "tiny-llama.gguf"
 COUNTERS = [
@@ -299,3 +300,61 @@ async def test_nothing_compiles_after_ready_at_any_batch_size(server):
                     nursery.start_soon(complete, client, tokens)
     assert value(wait_idle(server.url), "compiles_after_ready") == 0
     assert httpx.get(server.url + "/health").json()["compiles_after_ready"] == 0
+
+
+# --- --vllm-metrics: the load gauges under vLLM's names, for llm-d's endpoint picker ------------
+
+
+def vllm(samples: dict, name: str, **labels) -> float:
+    return samples[(f"vllm:{name}", tuple(sorted({"model_name": MODEL, **labels}.items())))]
+
+
+async def test_vllm_gauges_follow_the_mashbox_ones(tiny_llama):
+    """Three unread streams on two slots: running 2, waiting 1, under both names, and the
+    layout as vLLM's cache_config_info (a block: one slot of one whole context)."""
+    with serving(str(tiny_llama), "--ctx", "512", "--slots", "2", "--threads", "1",
+                 "--vllm-metrics", env={"MASHBOX_FAULTS": "slow=0.02"}) as proc:  # fmt: skip
+        samples = wait_idle(proc.url)
+        layout = {"block_size": "512", "num_gpu_blocks": "2", "num_cpu_blocks": "0"}
+        assert vllm(samples, "cache_config_info", enable_prefix_caching="True", **layout) == 1
+        assert vllm(samples, "kv_cache_usage_perc") == 0
+        body = {"prompt": "Once upon a time", "stream": True, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=proc.url, timeout=60) as client:
+
+            async def hold(done: trio.Event):
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    await done.wait()
+
+            done = trio.Event()
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(hold, done)
+                with trio.fail_after(30):
+                    while True:
+                        samples = parse((await client.get("/metrics")).text)
+                        theirs = [vllm(samples, n) for n in ("num_requests_running",
+                                                             "num_requests_waiting")]  # fmt: skip
+                        ours = [value(samples, n) for n in ("num_requests_running",
+                                                            "num_requests_waiting")]  # fmt: skip
+                        if theirs == ours == [2, 1]:
+                            break
+                        await trio.sleep(0.02)
+                usage = vllm(samples, "kv_cache_usage_perc")
+                assert usage == value(samples, "kv_cache_usage_perc")
+                assert 0 < usage <= 1
+                done.set()
+        samples = wait_idle(proc.url)
+        assert vllm(samples, "num_requests_running") == vllm(samples, "kv_cache_usage_perc") == 0
+
+
+async def test_vllm_gauges_only_when_asked_and_zero_while_loading():
+    state = ServerState(model_id=MODEL, ctx=0, slots=4)
+    client = create_app(state).test_client()
+    text = (await (await client.get("/metrics")).get_data()).decode()
+    assert "vllm:" not in text
+    state.metrics.export_vllm_names()
+    samples = parse((await (await client.get("/metrics")).get_data()).decode())
+    assert vllm(samples, "num_requests_waiting") == vllm(samples, "num_requests_running") == 0
+    assert vllm(samples, "kv_cache_usage_perc") == 0
+    assert not any(name == "vllm:cache_config_info" for name, _ in samples)

@@ -179,7 +179,7 @@ def test_stop_string_cuts_the_text(server):
         ("temperature", "hot"),
         ("top_p", 0),
         ("top_p", 1.5),
-        ("top_k", -1),
+        ("top_k", -2),  # -1 is "off", as vLLM and SGLang send it
         ("min_p", 1.0),
         ("repetition_penalty", 0),
         ("frequency_penalty", 2.5),

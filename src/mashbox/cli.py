@@ -83,6 +83,22 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {d.cache_ram_mib}, as llama-server's)",
     )
     run.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=d.cache_dir,
+        metavar="DIR",
+        help="keep prompt prefixes that repeat (an agent's system prompt and tools) on disk "
+        "here, so a restarted server does not prefill them again (default: off)",
+    )
+    run.add_argument(
+        "--cache-dir-size",
+        type=int,
+        dest="cache_dir_mib",
+        default=d.cache_dir_mib,
+        metavar="MIB",
+        help=f"most disk --cache-dir holds, LRU (default {d.cache_dir_mib})",
+    )
+    run.add_argument(
         "--api-key-file",
         type=Path,
         default=d.api_key_file,
@@ -121,6 +137,20 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=d.keep_alive,
         help=f"seconds an idle keep-alive connection stays open (default {d.keep_alive:g})",
+    )
+    run.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=d.drain_timeout,
+        metavar="SECONDS",
+        help="on SIGTERM, refuse new requests (503; /health says draining) and give running "
+        "ones this long to finish before exiting (default 0: end them at once, as SIGINT)",
+    )
+    run.add_argument(
+        "--vllm-metrics",
+        action="store_true",
+        help="/metrics also exports the load gauges under vLLM's names (vllm:num_requests_"
+        "waiting, ...), so llm-d's endpoint picker can score this server",
     )
     sub.add_parser(
         "kernels",
@@ -188,6 +218,10 @@ def main(argv=None) -> int:
             _parser().error("--tenant-slots must be 0 (no cap) or more")
         if args.cache_ram_mib < 0:
             _parser().error("--cache-ram must be 0 (off) or more MiB")
+        if args.cache_dir_mib < 1:
+            _parser().error("--cache-dir-size must be at least 1 MiB")
+        if args.drain_timeout < 0:
+            _parser().error("--drain-timeout must be 0 (none) or more seconds")
         # Every option's flag has the option's name (dest): the values become ServeOptions.
         fields = attrs.fields_dict(ServeOptions)
         opts = cattrs.structure({name: getattr(args, name) for name in fields}, ServeOptions)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import attrs
 
-from .prompt_cache import DEFAULT_CACHE_RAM_MIB
+from .prompt_cache import DEFAULT_CACHE_DIR_MIB, DEFAULT_CACHE_RAM_MIB
 
 
 @attrs.frozen
@@ -25,7 +25,11 @@ class ServeOptions:
     keep_alive: float = 5.0
     api_key_file: Path | None = None
     cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB
+    cache_dir: Path | None = None  # the prompt cache on disk, kept across restarts; None: off
+    cache_dir_mib: int = DEFAULT_CACHE_DIR_MIB
     decode_weights: str = "auto"
     allowed_hosts: tuple[str, ...] = ()
     ui: bool = False  # the chat page on /
     tenant_slots: int | None = None  # None: an equal share among the key file's tenants
+    drain_timeout: float = 0.0  # SIGTERM's grace period for running requests; 0: none
+    vllm_metrics: bool = False  # /metrics also under vLLM's names (for llm-d's picker)

@@ -20,7 +20,7 @@ from .options import ServeOptions
 from .prompt_cache import PromptCache
 from .scheduler import Scheduler
 from .server import chat_ws, connections
-from .server.app import RefuseBadHost, ShieldFinalSend, create_app
+from .server.app import Drain, RefuseBadHost, RefuseWhileDraining, ShieldFinalSend, create_app
 from .server.identity import model_identity, weights_sha
 from .server.security import Guard, KeyFileError, read_key_file, tenant_of_unnamed
 from .server.state import Loaded, ServerState
@@ -106,13 +106,24 @@ async def serve(
     chat_ws.install_bounded_deflate()
     config.graceful_timeout = 3
     connections.install(opts.stall_timeout)
-    app = ShieldFinalSend(RefuseBadHost(create_app(state, ui=opts.ui)))
+    drain = Drain()
+    app = create_app(state, ui=opts.ui, drain=drain)
+    if opts.vllm_metrics:
+        state.metrics.export_vllm_names()
+    app = ShieldFinalSend(RefuseBadHost(RefuseWhileDraining(app, drain)))
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     stop_accepting = trio.Event()
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_shut_down_on_signal, state, stop_accepting, nursery.cancel_scope)
+            nursery.start_soon(
+                _shut_down_on_signal,
+                state,
+                drain,
+                opts.drain_timeout,
+                stop_accepting,
+                nursery.cancel_scope,
+            )
             await nursery.start(
                 partial(hypercorn_serve, app, config, shutdown_trigger=stop_accepting.wait)
             )
@@ -137,6 +148,8 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
     except registry.ModelError as exc:
         raise FatalError(str(exc)) from None
 
+    weights = weights_sha(path, ref.entry)
+
     def start_worker():
         return WorkerProcess(
             path,
@@ -145,6 +158,9 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
             device=opts.device,
             threads=opts.threads,
             decode_weights=opts.decode_weights,
+            cache_dir=opts.cache_dir,
+            cache_dir_bytes=opts.cache_dir_mib * 2**20,
+            model_sha=weights,
         )
 
     supervisor = Supervisor(start_worker, step_timeout=opts.step_timeout)
@@ -159,11 +175,13 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
             raise FatalError(str(exc)) from None
     ((tokenizer, template),) = text
     state.ctx = info.ctx
-    weights = weights_sha(path, ref.entry)
     identity = model_identity(ref.id, weights, tokenizer, template, info, opts.slots)
     cache = PromptCache(
         opts.cache_ram_mib * 2**20, info.kv_bytes_per_token, identity.cache_namespace
     )
+    if opts.cache_dir is not None:
+        cache.use_disk(opts.cache_dir_mib * 2**20, info.disk_key, info.disk_entries)
+        log.info("prompt cache on disk: %s, %d prefixes", opts.cache_dir, len(info.disk_entries))
     scheduler = Scheduler(
         tokenizer,
         supervisor,
@@ -204,11 +222,19 @@ async def _append_result(out: list, fn, *args) -> None:
 
 
 async def _shut_down_on_signal(
-    state: ServerState, stop_accepting: trio.Event, scope: trio.CancelScope
+    state: ServerState,
+    drain: Drain,
+    drain_timeout: float,
+    stop_accepting: trio.Event,
+    scope: trio.CancelScope,
 ) -> None:
-    """SIGINT/SIGTERM: end every request with an error event, stop accepting, then exit."""
+    """SIGINT/SIGTERM: end every request with an error event, stop accepting, then exit.
+    With --drain-timeout, SIGTERM first drains: new requests get 503 (and /health says so, so
+    a router moves traffic) while the ones taken run to their end, up to that many seconds."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
+            if signum == signal.SIGTERM and drain_timeout > 0:
+                await _drain(drain, drain_timeout, signals)
             log.info("%s: shutting down", signal.Signals(signum).name)
             if state.scheduler is not None:
                 state.scheduler.close()
@@ -217,6 +243,28 @@ async def _shut_down_on_signal(
             await trio.sleep(0.5)
             scope.cancel()
             return
+
+
+async def _drain(drain: Drain, timeout: float, signals) -> None:
+    """Refuse new work until the requests taken have ended, `timeout` seconds have passed or
+    a second signal comes (SIGINT, or another SIGTERM: stop now)."""
+    drain.start()
+    log.info(
+        "SIGTERM: draining: new requests get 503; %d running may take up to %g s",
+        drain.in_flight,
+        timeout,
+    )
+    with trio.move_on_after(timeout) as deadline:
+        async with trio.open_nursery() as nursery:
+
+            async def first_of(wait) -> None:
+                await wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(first_of, drain.wait_idle)
+            nursery.start_soon(first_of, signals.__anext__)
+    if deadline.cancelled_caught and drain.in_flight:
+        log.info("drain: %d requests still running after %g s", drain.in_flight, timeout)
 
 
 def make_guard(opts: ServeOptions) -> Guard:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 
+import attrs
 import trio
 from quart import Response, g, has_request_context, request
 from quart_trio import QuartTrio
@@ -49,8 +50,10 @@ async def _json_body():
     return parse_json(await read_body(request, MAX_BODY_BYTES))
 
 
-def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
-    """Build the Quart-Trio app over shared server state; with `ui`, / is the chat page."""
+def create_app(state: ServerState, *, ui: bool = False, drain: Drain | None = None) -> QuartTrio:
+    """Build the Quart-Trio app over shared server state; with `ui`, / is the chat page.
+    drain: the SIGTERM grace period that /health reports (serve.py refuses work with it)."""
+    drain = drain or Drain()
     app = QuartTrio("mashbox")
     app.config["RESPONSE_TIMEOUT"] = None  # quart's 60 s default would cut long streams
     app.config["BODY_TIMEOUT"] = 60
@@ -65,7 +68,7 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
     @app.before_request
     async def guard():
         if request.method == "HEAD":  # seed 000: the ready check, the same on every path
-            return Response(b"", status=200 if state.ready else 503)
+            return Response(b"", status=200 if state.ready and not drain.draining else 503)
         if request.routing_exception is not None:
             return  # 404 and 405 come first
         g.tenant = state.guard.check(request.path, request.headers)  # ApiErrors: api_error
@@ -91,10 +94,10 @@ def create_app(state: ServerState, *, ui: bool = False) -> QuartTrio:
         return _json(error.body(), error.status)
 
     async def health():
-        body = status.health(state)
+        body = status.health(state, draining=drain.draining)
         if not state.guard.authenticated(request.headers):
             body = {"status": body["status"]}  # a probe learns whether it is up, not how busy
-        return _json(body, 200 if state.ready else 503)
+        return _json(body, 200 if body["status"] == "ok" else 503)
 
     async def chat_page():
         return Response(page.body, status=200, headers=page.headers)
@@ -221,6 +224,73 @@ def _shaped(error: ApiError, path: str) -> ApiError:
     return error
 
 
+class Drain:
+    """SIGTERM's grace period: once `start`ed, /health says "draining" (503, so a router moves
+    traffic) and new work is refused, while the requests taken before run to their end."""
+
+    def __init__(self):
+        self.draining = False
+        self.in_flight = 0  # POST requests being answered, streams until their last byte
+
+    def start(self) -> None:
+        self.draining = True
+
+    async def wait_idle(self) -> None:
+        while self.in_flight:
+            await trio.sleep(0.05)
+
+
+class RefuseWhileDraining:
+    """ASGI wrapper: counts the POST requests being answered (a stream until its last byte is
+    sent or its client is gone), and while `drain` is draining refuses new ones with 503 and
+    Retry-After in the route's error shape, and new WebSockets with close code 1013 (try
+    again later). GETs (health, metrics, models) still answer."""
+
+    def __init__(self, app, drain: Drain):
+        self.app, self.drain = app, drain
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket" and self.drain.draining:
+            await send({"type": "websocket.close", "code": 1013})
+            return
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        if self.drain.draining:
+            await _send_error(_draining_error(scope["path"]), send)
+            return
+        self.drain.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.in_flight -= 1
+
+
+def _draining_error(path: str) -> ApiError:
+    """503 in the route's shape; on Anthropic's route too, not the 529 of a loading server: a
+    router (smg) retries a 503 on another replica, and passes a 529 on to the client."""
+    error = ApiError(
+        503,
+        "this server is shutting down and takes no new requests; send it to another",
+        type="unavailable",
+        code="draining",
+        headers={"Retry-After": "1"},
+    )
+    if _is_anthropic(path):
+        headers = {**error.headers, "x-should-retry": "true"}
+        return attrs.evolve(error, shape="anthropic", headers=headers)
+    return _shaped(error, path)
+
+
+async def _send_error(error: ApiError, send, *, head: bool = False) -> None:
+    """An error answered at the ASGI level, before the app sees the request."""
+    headers = [(b"content-type", b"application/json")]
+    headers += [(k.lower().encode(), str(v).encode()) for k, v in error.headers.items()]
+    body = b"" if head else json.dumps(error.body()).encode()
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 class RefuseBadHost:
     """ASGI wrapper: a Host header that is no host name (".", "a..b") is a 400 in the route's
     error shape. werkzeug would raise while binding the routes, before any handler, and the
@@ -235,11 +305,7 @@ class RefuseBadHost:
                 await send({"type": "websocket.close", "code": 1008})
                 return
             error = ApiError(400, "the Host header is not a valid host name")
-            error = _shaped(error, scope["path"])
-            body = b"" if scope["method"] == "HEAD" else json.dumps(error.body()).encode()
-            headers = [(b"content-type", b"application/json")]
-            await send({"type": "http.response.start", "status": 400, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
+            await _send_error(_shaped(error, scope["path"]), send, head=scope["method"] == "HEAD")
             return
         await self.app(scope, receive, send)
 

@@ -70,7 +70,7 @@ def sampling_params(body: Body, logprobs: int = -1, *, most_choices: int = 1) ->
     return SamplingParams(
         temperature=body.number("temperature", 0.0, lo=0, hi=4),
         top_p=body.number("top_p", 1.0, lo=0, hi=1, lo_open=True),
-        top_k=body.int("top_k", 0, lo=0),
+        top_k=_top_k(body),
         min_p=_min_p(body),
         repetition_penalty=body.number("repetition_penalty", 1.0, lo=0, lo_open=True),
         frequency_penalty=body.number("frequency_penalty", 0.0, lo=-2, hi=2),
@@ -78,6 +78,14 @@ def sampling_params(body: Body, logprobs: int = -1, *, most_choices: int = 1) ->
         seed=random_seed() if seed is None else seed,
         logprobs=logprobs,
     )
+
+
+def _top_k(body: Body) -> int:
+    """0 = off; -1 is vLLM's and SGLang's "off", which routers in front of us forward."""
+    value = body.int("top_k", 0)
+    if value < -1:
+        raise bad_request("top_k must be >= 0 (or -1: off, the same as 0)", "top_k")
+    return max(value, 0)
 
 
 def _min_p(body: Body) -> float:

@@ -1,9 +1,11 @@
 """/metrics: what the server does, in the Prometheus text format, under vLLM's metric names.
 
-Every name starts with `mashbox:`; the one label every metric has is `model_name`, the served
-model id. No label names a user, an API key or a session. Counters and histograms are fed by
-the scheduler through the `Observer` calls; gauges are read from one snapshot of the server
-(`ServerState.statistics`) at each scrape, so they answer while the model loads too.
+Every name starts with `mashbox:` (with `--vllm-metrics` the load gauges are also exported
+under `vllm:`, for pickers that read vLLM's); the one label every metric has is
+`model_name`, the served model id. No label names a user, an API key or a session. Counters
+and histograms are fed by the scheduler through the `Observer` calls; gauges are read from one
+snapshot of the server (`ServerState.statistics`) at each scrape, so they answer while the
+model loads too.
 """
 
 from __future__ import annotations
@@ -110,7 +112,13 @@ class Metrics(Observer):
             "Mean time per generated token after the first (requests with two or more).",
             TPOT_BUCKETS,
         )
+        self.model, self.read = model, read
         self.registry.register(_LiveCollector(model, read))
+
+    def export_vllm_names(self) -> None:
+        """Also export the load gauges under vLLM's own names (`--vllm-metrics`), which
+        llm-d's endpoint picker and other vLLM-made scorers read."""
+        self.registry.register(_VllmGauges(self.model, self.read))
 
     # --- the scheduler's observer ---------------------------------------------------------
 
@@ -213,3 +221,53 @@ class _LiveCollector:
             "Programs compiled since the server reported ready, in every worker process.",
             engine.compiles_after_ready if engine else 0,
         )
+
+
+class _VllmGauges:
+    """The gauges a vLLM-reading picker scores a pod by, under vLLM's names and labels. vLLM's
+    KV cache is paged; mashbox's slot holds one whole context, so cache_config_info says
+    block_size = the context, num_gpu_blocks = the slots (whatever device they live on) and
+    num_cpu_blocks = 0 (the host prompt cache holds copies of prefixes, not blocks)."""
+
+    def __init__(self, model: str, read: Callable[[], ServerStatistics]):
+        self.model, self.read = model, read
+
+    def collect(self):
+        snap = self.read()
+        stats, engine = snap.scheduler, snap.engine
+        info = engine.info if engine else None
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model], value)
+            return family
+
+        yield gauge(
+            "vllm:num_requests_running",
+            "Requests holding a slot (mashbox:num_requests_running).",
+            stats.running if stats else 0,
+        )
+        yield gauge(
+            "vllm:num_requests_waiting",
+            "Requests waiting for a slot (mashbox:num_requests_waiting).",
+            stats.waiting if stats else 0,
+        )
+        yield gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV cache usage, 0 to 1 (mashbox:kv_cache_usage_perc).",
+            stats.kv_cache_usage if stats else 0.0,
+        )
+        if stats is not None and info is not None:
+            layout = GaugeMetricFamily(
+                "vllm:cache_config_info",
+                "The KV cache layout: a block is one slot holding one whole context.",
+                labels=[
+                    "model_name",
+                    "block_size",
+                    "num_gpu_blocks",
+                    "num_cpu_blocks",
+                    "enable_prefix_caching",
+                ],
+            )
+            layout.add_metric([self.model, str(info.ctx), str(stats.slots), "0", "True"], 1)
+            yield layout

@@ -9,13 +9,13 @@ from .state import ServerState
 from .systemone_api import model_entries
 
 
-def health(state: ServerState) -> dict:
-    """The `Health` document."""
+def health(state: ServerState, *, draining: bool = False) -> dict:
+    """The `Health` document; draining: SIGTERM's grace period has begun (serve.py)."""
     snap = state.statistics()
     stats, engine, ids = snap.scheduler, snap.engine, snap.identity
     info = engine.info if engine else None
     return {
-        "status": "ok" if snap.ready else "loading",
+        "status": "draining" if draining else "ok" if snap.ready else "loading",
         "live_rows": stats.running if stats else None,
         "waiting": stats.waiting if stats else 0,
         # Every saved prefix is one host copy; there are no separate snapshots.
