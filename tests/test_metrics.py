@@ -337,10 +337,11 @@ async def test_vllm_gauges_follow_the_mashbox_ones(tiny_llama):
                                                              "num_requests_waiting")]  # fmt: skip
                         ours = [value(samples, n) for n in ("num_requests_running",
                                                             "num_requests_waiting")]  # fmt: skip
-                        if theirs == ours == [2, 1]:
+                        usage = vllm(samples, "kv_cache_usage_perc")
+                        # Running counts admitted rows; usage, their filled KV: wait for both.
+                        if theirs == ours == [2, 1] and usage > 0:
                             break
                         await trio.sleep(0.02)
-                usage = vllm(samples, "kv_cache_usage_perc")
                 assert usage == value(samples, "kv_cache_usage_perc")
                 assert 0 < usage <= 1
                 done.set()

@@ -9,7 +9,6 @@ next step with PREVIOUS, and the mask is computed when that step samples).
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 from pathlib import Path
 
@@ -23,24 +22,19 @@ log = logging.getLogger("mashbox.engine")
 
 
 class GrammarMasks:
-    """The model's vocabulary for llguidance, read from the model's own files, and the
-    grammars compiled against it. `start` reads it in a background thread (the worker does,
-    while the weights load); else the first constrained row reads it (~0.4 s for 50k
-    tokens, 1.6 s for 150k)."""
+    """The model's vocabulary for llguidance, read from the model's own files the first time
+    it is needed (the worker asks once the weights are loaded: ~0.4 s for 50k tokens, 1.6 s
+    for 150k; read beside the weights in a thread, the two raced on protobuf's imports), and
+    the grammars compiled against it."""
 
     def __init__(self, model_path: Path):
         self._path = model_path
-        self._grammars: concurrent.futures.Future[Grammars] | None = None
-
-    def start(self) -> None:
-        if self._grammars is None:
-            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-vocab")
-            self._grammars = pool.submit(lambda: Grammars(Tokenizer.for_model(self._path)))
-            pool.shutdown(wait=False)
+        self._grammars: Grammars | None = None
 
     def grammars(self) -> Grammars:
-        self.start()
-        return self._grammars.result()
+        if self._grammars is None:
+            self._grammars = Grammars(Tokenizer.for_model(self._path))
+        return self._grammars
 
     def matcher(self, grammar: str):
         """A fresh matcher at the start of `grammar`."""

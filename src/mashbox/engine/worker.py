@@ -36,10 +36,7 @@ def worker_main(
 
     try:
         faults = Faults()
-        # llguidance's view of the vocabulary is read while the weights load, and is ready
-        # with them: neither the first constrained row nor the first steps wait on it.
         masks = GrammarMasks(Path(path))
-        masks.start()
         engine = Engine(
             path,
             slots=slots,
@@ -51,7 +48,7 @@ def worker_main(
             cache_dir_bytes=cache_dir_bytes,
             model_sha=model_sha,
         )
-        masks.grammars()
+        masks.grammars()  # before ready: no step waits for llguidance's view of the vocabulary
     except Exception as exc:
         conn.send(WorkerFailed(f"cannot load {path}: {exc}"))
         return
