@@ -15,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 
+from mashbox import registry
 from mashbox.text.constraint import Grammars
 from mashbox.text.tokenizer import Tokenizer
 from support import trained
@@ -178,6 +179,30 @@ def test_a_custom_tools_regex_holds_its_input(default_server):
     bad = {**dice, "format": "regex"}
     r = httpx.post(default_server.url + "/v1/responses", json={"input": "x", "tools": [bad]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+@pytest.mark.slow
+def test_a_custom_tools_lark_grammar_holds_its_input(default_server):
+    """A Lark format (Codex's apply_patch is one) holds the input though it travels inside
+    the call's JSON string: quotes and newlines escaped there, the grammar's own when read."""
+    client = openai.OpenAI(base_url=default_server.url + "/v1", api_key="x", max_retries=0)
+    lark = 'start: "say " QUOTE /[a-z ]{1,20}/ QUOTE "\\n" count\ncount: /[1-9]/\nQUOTE: "\\""\n'
+    say = {"type": "custom", "name": "say", "description": "Say something.",
+           "format": {"type": "grammar", "syntax": "lark", "definition": lark}}  # fmt: skip
+    weights = registry.fetch(registry.resolve(MODEL), registry.default_models_dir())
+    tok = Tokenizer.for_model(weights)
+    grammars = Grammars(tok)
+    for seed in range(4):
+        r = client.responses.create(
+            model=MODEL, input="Say hello.", tools=[say], temperature=1,
+            tool_choice={"type": "custom", "name": "say"}, max_output_tokens=80,
+            extra_body={"seed": seed},
+        )  # fmt: skip
+        (call,) = [item for item in r.output if item.type == "custom_tool_call"]
+        matcher = grammars.matcher(lark)
+        assert all(matcher.consume_token(t) for t in tok.encode(call.input)), call.input
+        matcher.compute_bitmask()
+        assert matcher.is_accepting(), call.input
 
 
 @pytest.mark.slow

@@ -54,6 +54,7 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
         answer=structured.answer_schema(text.object("format") if text else None, "text.format"),
         tools=toolbox.functions,
         strict=toolbox.strict,
+        lark_inputs=toolbox.lark_inputs,
         choice=choice,
         parallel=body.bool("parallel_tool_calls", True),
     )

@@ -5,14 +5,18 @@ from a model's call to the item the client expects."""
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 
+from ..text.lark_in_json import Unsupported, json_string_lark
 from ..text.parser import ToolCall
 from .chat import ToolChoice
 from .errors import bad_request
 from .openai_chat import message_text
 from .token_logprobs import MAX_TOP_LOGPROBS
 from .validate import Body
+
+log = logging.getLogger("mashbox")
 
 HOSTED_TOOLS = {
     "web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation",
@@ -33,6 +37,7 @@ class Toolbox:
         self.functions: list[dict] = []
         self.kinds: dict[str, tuple[str, str | None, str]] = {}  # model name -> (kind, ns, name)
         self.strict: set[str] = set()  # tools whose calls' arguments follow their parameters
+        self.lark_inputs: dict[str, str] = {}  # custom tools' Lark, over JSON-escaped text
         for i, tool in enumerate(tools or []):
             if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
                 raise bad_request(f"tools[{i}] must be an object with a type", "tools")
@@ -79,9 +84,15 @@ class Toolbox:
                 f"\nThe input must follow this {fmt.get('syntax', '')} grammar:\n"
                 f"{fmt.get('definition', '')}"
             )
-            if fmt.get("syntax") == "regex":  # held to it (structured.py); Lark is described
+            if fmt.get("syntax") == "regex":  # held to it (structured.py)
                 text["pattern"] = f"^(?:{fmt.get('definition', '')})$"
                 self.strict.add(name)
+            elif fmt.get("syntax") == "lark":
+                try:  # held to it where it can be carried into the call's JSON string
+                    self.lark_inputs[name] = json_string_lark(fmt.get("definition", ""))
+                    self.strict.add(name)
+                except Unsupported as exc:
+                    log.info("custom tool %r: its Lark grammar is described only (%s)", name, exc)
         parameters = {"type": "object", "properties": {"input": text}, "required": ["input"]}
         function = {"name": name, "description": description.strip(), "parameters": parameters}
         self.functions.append({"type": "function", "function": function})

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import attrs
 import trio
@@ -53,18 +53,26 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)  # a Lark string: JSON's escapes
 
 
-def _tool_rules(tools: list[dict], follow: Collection[str], defuse) -> list[str]:
+def _tool_rules(
+    tools: list[dict], follow: Collection[str], lark_inputs: Mapping[str, str], defuse
+) -> list[str]:
     """`body`: a call's JSON as chat.TOOL_PROMPT asks for it, one alternative per tool, and
     `args_i`: tool i's arguments, following its parameters where its name is in `follow`
-    (else any object)."""
+    (else any object); a custom tool's `input` string following its Lark grammar where
+    `lark_inputs` has it (rewritten over JSON-escaped text: text/lark_in_json.py)."""
     rules, alternatives = [], []
     for i, tool in enumerate(tools):
         function = tool.get("function") or {}
         name = function.get("name", "")
         head = '{"name": ' + json.dumps(defuse(name)) + ', "arguments": '
-        schema = _parameters(function) if name in follow else ANY_OBJECT
         rules.append(f"body_{i}: {_literal(head)} args_{i} " + _literal("}"))
-        rules.append(f"args_{i}: " + _json_rule(schema, strict=False))
+        if name in follow and name in lark_inputs:
+            opening, closing = _literal('{"input": "'), _literal('"}')
+            rules.append(f"args_{i}: {opening} input_{i} {closing}")
+            rules.append(f"input_{i}: %lark {{\n{lark_inputs[name]}}}")
+        else:
+            schema = _parameters(function) if name in follow else ANY_OBJECT
+            rules.append(f"args_{i}: " + _json_rule(schema, strict=False))
         alternatives.append(f"body_{i}")
     return [f"body: {' | '.join(alternatives)}", *rules]
 
@@ -114,6 +122,7 @@ def grammar_for(
     choice: ToolChoice = AUTO,
     parallel: bool = True,
     strict: Collection[str] | None = None,
+    lark_inputs: Mapping[str, str] | None = None,
     defuse=lambda s: s,
 ) -> str:
     """The request's grammar, or "" when nothing constrains the answer. strict: the names of
@@ -128,7 +137,7 @@ def grammar_for(
     follow = {f.get("name") for f in functions if forced or f.get("name") in strict}
     if not (answer or follow):
         return ""
-    rules = _tool_rules(tools, follow, defuse) if tools else []
+    rules = _tool_rules(tools, follow, lark_inputs or {}, defuse) if tools else []
     if forced:
         inner = _forced_call(tools, choice, parallel)
     else:
@@ -207,7 +216,7 @@ async def constrain(
     state: ServerState, request: Request, prompt: ChatPrompt | None, **asked
 ) -> Request:
     """`request` with the grammar its answer must follow, checked (a 400 if it cannot be);
-    `asked`: what grammar_for takes (answer, tools, choice, parallel, strict)."""
+    `asked`: what grammar_for takes (answer, tools, choice, parallel, strict, lark_inputs)."""
     grammar = grammar_for(prompt, defuse=state.tokenizer.defuse, **asked)
     answer = asked.get("answer")
     if not grammar:
