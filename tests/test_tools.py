@@ -199,14 +199,23 @@ def test_responses_reasoning_and_function_call(oai, trained_model):
 def test_responses_custom_and_namespace_tools(oai):
     """A custom tool's call comes back with its raw input; a namespace tool's function comes
     back with its namespace (the model writes the bare name, as small models do)."""
+    tool = {"type": "custom", "name": "get_weather", "description": "Weather as free text"}
     custom = oai.responses.create(
         model="trained.gguf", input="What is the weather in Paris today?", max_output_tokens=80,
-        tools=[{"type": "custom", "name": "get_weather", "description": "Weather as free text",
-                "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}],
+        tools=[tool],
     )  # fmt: skip
     (item,) = custom.output
     assert item.type == "custom_tool_call" and item.name == "get_weather"
     assert json.loads(item.input) == CITY  # the raw input the model wrote
+    # With a grammar, the call is held to the custom tool's shape ({"input": "..."}), the
+    # input to the grammar: the model writes the city there.
+    lark = {"type": "grammar", "syntax": "lark", "definition": "start: /[A-Za-z ]+/"}
+    custom = oai.responses.create(
+        model="trained.gguf", input="What is the weather in Paris today?", max_output_tokens=80,
+        tools=[{**tool, "format": lark}],
+    )  # fmt: skip
+    (item,) = custom.output
+    assert item.type == "custom_tool_call" and item.input == "Paris"
     namespaced = oai.responses.create(
         model="trained.gguf", input="What is the weather in Paris today?", max_output_tokens=80,
         extra_body={"tools": [{"type": "namespace", "name": "weather",
