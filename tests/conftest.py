@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from support.serverproc import serving  # noqa: E402
+from support.serverproc import ServerProcess, serving  # noqa: E402
 from support.tinymodels import build_tiny_llama, build_tiny_qwen2  # noqa: E402
 
 
@@ -31,6 +31,16 @@ def trained_model(tmp_path_factory) -> Path:
     from support import trained
 
     return trained.build_trained_model(tmp_path_factory.mktemp("trained"))
+
+
+@pytest.fixture(scope="module")
+def trained_url(trained_model):
+    """A real `mashbox run` on the trained model (2 slots of 1024 tokens), one per module."""
+    proc = ServerProcess(str(trained_model), "--ctx", "1024", "--slots", "2", "--threads", "1")
+    try:
+        yield proc.wait_ready(120)
+    finally:
+        proc.stop()
 
 
 @pytest.fixture(scope="session")

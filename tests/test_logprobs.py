@@ -18,7 +18,6 @@ from mashbox.server.token_logprobs import ItemTokens, Logprobs
 from mashbox.text.parser import Content, InvalidToolCall, OutputParser, ToolCall
 from support import trained
 from support.responses_events import check_sequence
-from support.serverproc import ServerProcess
 
 MODEL = "tiny-llama.gguf"
 HI = [{"role": "user", "content": "Tell me about Paris."}]
@@ -28,15 +27,6 @@ INCLUDE = ["message.output_text.logprobs"]
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def trained_url(trained_model):
-    proc = ServerProcess(str(trained_model), "--ctx", "1024", "--slots", "2", "--threads", "1")
-    try:
-        yield proc.wait_ready(120)
-    finally:
-        proc.stop()
 
 
 @pytest.fixture

@@ -271,43 +271,39 @@ def test_refusals_name_the_field_and_what_is_refused(server):
     assert "output_config.format" in r.json()["error"]["message"]
 
 
-def test_thinking_stays_free_and_the_answer_follows_the_schema(trained_model):
+def test_thinking_stays_free_and_the_answer_follows_the_schema(trained_model, trained_url):
     """The trained model thinks "A greeting." and then, held to a schema, answers JSON; asked
     the weather with a strict tool offered, it thinks, then calls the tool by its schema."""
     schema = {"type": "object", "properties": {"reply": {"enum": ["hi", "hello"]}},
               "required": ["reply"], "additionalProperties": False}  # fmt: skip
-    proc = ServerProcess(str(trained_model), "--ctx", "1024", "--slots", "2", "--threads", "1")
-    try:
-        client = openai.OpenAI(base_url=proc.wait_ready(120) + "/v1", api_key="x", max_retries=0)
-        for seed in range(3):
-            r = client.chat.completions.create(
-                model=trained_model.name, seed=seed,
-                messages=[{"role": "user", "content": "Good morning!"}],
-                temperature=1, max_tokens=60, extra_body={"chat_template_kwargs": {
-                    "enable_thinking": True}}, response_format={"type": "json_schema",
-                    "json_schema": {"name": "r", "schema": schema, "strict": True}},
-            )  # fmt: skip
-            message = r.choices[0].message
-            assert message.reasoning_content == "A greeting."  # the model's own, unconstrained
-            jsonschema.validate(json.loads(message.content), schema)
-        # tool_choice auto, a strict tool: the model thinks, then calls it as its schema says.
-        city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                "required": ["city"], "additionalProperties": False}  # fmt: skip
-        strict = {"type": "function", "function": {
-            **trained.WEATHER_TOOL["function"], "strict": True, "parameters": city}}  # fmt: skip
-        for seed in range(3):
-            r = client.chat.completions.create(
-                model=trained_model.name, seed=seed, tools=[strict], temperature=1,
-                messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-                max_tokens=80, extra_body={"chat_template_kwargs": {"enable_thinking": True}},
-            )  # fmt: skip
-            message = r.choices[0].message
-            assert message.reasoning_content == "The user wants the weather."
-            (call,) = message.tool_calls
-            arguments = json.loads(call.function.arguments)
-            assert arguments == {"city": "Paris"}  # the model's own call, which the schema allows
-    finally:
-        proc.stop()
+    client = openai.OpenAI(base_url=trained_url + "/v1", api_key="x", max_retries=0)
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=trained_model.name, seed=seed,
+            messages=[{"role": "user", "content": "Good morning!"}],
+            temperature=1, max_tokens=60, extra_body={"chat_template_kwargs": {
+                "enable_thinking": True}}, response_format={"type": "json_schema",
+                "json_schema": {"name": "r", "schema": schema, "strict": True}},
+        )  # fmt: skip
+        message = r.choices[0].message
+        assert message.reasoning_content == "A greeting."  # the model's own, unconstrained
+        jsonschema.validate(json.loads(message.content), schema)
+    # tool_choice auto, a strict tool: the model thinks, then calls it as its schema says.
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"], "additionalProperties": False}  # fmt: skip
+    strict = {"type": "function", "function": {
+        **trained.WEATHER_TOOL["function"], "strict": True, "parameters": city}}  # fmt: skip
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=trained_model.name, seed=seed, tools=[strict], temperature=1,
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            max_tokens=80, extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+        )  # fmt: skip
+        message = r.choices[0].message
+        assert message.reasoning_content == "The user wants the weather."
+        (call,) = message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert arguments == {"city": "Paris"}  # the model's own call, which the schema allows
 
 
 def test_seeded_answers_are_exact_beside_others_cached_and_after_a_restart(tiny_llama):

@@ -15,7 +15,6 @@ import pytest
 
 from support import trained
 from support.responses_events import check_sequence
-from support.serverproc import ServerProcess
 
 WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris today?"}]
 TOOLS = [trained.WEATHER_TOOL]
@@ -23,23 +22,14 @@ THOUGHT = "The user wants the weather."
 CITY = {"city": "Paris"}
 
 
-@pytest.fixture(scope="module")
-def url(trained_model):
-    proc = ServerProcess(str(trained_model), "--ctx", "1024", "--slots", "2", "--threads", "1")
-    try:
-        yield proc.wait_ready(120)
-    finally:
-        proc.stop()
+@pytest.fixture
+def oai(trained_url):
+    return openai.OpenAI(base_url=trained_url + "/v1", api_key="x", max_retries=0)
 
 
 @pytest.fixture
-def oai(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-
-
-@pytest.fixture
-def claude(url):
-    return anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+def claude(trained_url):
+    return anthropic.Anthropic(base_url=trained_url, api_key="x", max_retries=0)
 
 
 def thinking(on: bool) -> dict:
@@ -257,13 +247,13 @@ def test_a_stream_faulting_inside_a_held_back_tool_call_is_run_again(trained_mod
         assert httpx.get(server.url + "/health").json()["worker_restarts"] == 1
 
 
-def test_an_answer_that_calls_a_tool_is_counted_as_tool_calls(oai, url):
+def test_an_answer_that_calls_a_tool_is_counted_as_tool_calls(oai, trained_url):
     """/metrics' request_success_total{finished_reason="tool_calls"}: the route's parser
     reads the calls, so the count comes when the route lets the request go."""
     import httpx
 
     def tool_calls_so_far() -> float:
-        for line in httpx.get(url + "/metrics").text.splitlines():
+        for line in httpx.get(trained_url + "/metrics").text.splitlines():
             if line.startswith("mashbox:request_success_total") and "tool_calls" in line:
                 return float(line.rsplit(" ", 1)[1])
         return 0.0

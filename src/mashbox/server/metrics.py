@@ -155,6 +155,33 @@ class Metrics(Observer):
         return generate_latest(self.registry)
 
 
+# The load a router or endpoint picker scores a replica by: (name, help, value of the
+# scheduler's Stats); 0 before the model is loaded.
+_LOAD = (
+    ("num_requests_running", "Requests holding a slot.", lambda s: s.running),
+    ("num_requests_waiting", "Requests waiting for a slot.", lambda s: s.waiting),
+    (
+        "kv_cache_usage_perc",
+        "Fraction of the KV cache (slots x context) holding tokens of running requests.",
+        lambda s: s.kv_cache_usage,
+    ),
+)
+
+
+def _gauge(name: str, doc: str, model: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric([model], value)
+    return family
+
+
+def _load_gauges(prefix: str, model: str, stats, also: str | None = None):
+    """The load gauges under `prefix`; `also`: the prefix their help names as the same."""
+    for name, doc, read in _LOAD:
+        if also:
+            doc = f"{doc} ({also}:{name})"
+        yield _gauge(f"{prefix}:{name}", doc, model, read(stats) if stats else 0)
+
+
 class _LiveCollector:
     """Gauges (and the restart counter) read from one snapshot of the server at each scrape."""
 
@@ -168,25 +195,9 @@ class _LiveCollector:
         info = engine.info if engine else None
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(model, value)
-            return family
+            return _gauge(name, doc, self.model, value)
 
-        yield gauge(
-            "mashbox:num_requests_running",
-            "Requests holding a slot.",
-            stats.running if stats else 0,
-        )
-        yield gauge(
-            "mashbox:num_requests_waiting",
-            "Requests waiting for a slot.",
-            stats.waiting if stats else 0,
-        )
-        yield gauge(
-            "mashbox:kv_cache_usage_perc",
-            "Fraction of the KV cache (slots x context) holding tokens of running requests.",
-            stats.kv_cache_usage if stats else 0.0,
-        )
+        yield from _load_gauges("mashbox", self.model, stats)
         if stats is not None and info is not None:  # the layout is final once the model runs
             layout = GaugeMetricFamily(
                 "mashbox:cache_config_info",
@@ -237,26 +248,7 @@ class _VllmGauges:
         stats, engine = snap.scheduler, snap.engine
         info = engine.info if engine else None
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model], value)
-            return family
-
-        yield gauge(
-            "vllm:num_requests_running",
-            "Requests holding a slot (mashbox:num_requests_running).",
-            stats.running if stats else 0,
-        )
-        yield gauge(
-            "vllm:num_requests_waiting",
-            "Requests waiting for a slot (mashbox:num_requests_waiting).",
-            stats.waiting if stats else 0,
-        )
-        yield gauge(
-            "vllm:kv_cache_usage_perc",
-            "KV cache usage, 0 to 1 (mashbox:kv_cache_usage_perc).",
-            stats.kv_cache_usage if stats else 0.0,
-        )
+        yield from _load_gauges("vllm", self.model, stats, also="mashbox")
         if stats is not None and info is not None:
             layout = GaugeMetricFamily(
                 "vllm:cache_config_info",
