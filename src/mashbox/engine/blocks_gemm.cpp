@@ -8,27 +8,33 @@
 //   m = -8 d): out += d * sum + m * sum(x over the block). 0.625 bytes a weight. Q4_K's
 //   groups of 32 (int4.py repacks them: d * sc and -dmin * mn, exact in float32 but not
 //   always in fp16) take the same kernels with float32 d and m (S = float): 0.75 bytes.
-// - Q8_0 (q8_gemm): w = q * d (q int8, d fp16): out += d * sum. 1.06 bytes a weight.
-// Both give the file's weights exactly (x = identity reads them back bit for bit). Like
+// - Q5_0 / Q5_1 / Q5_K (q5_gemm): the same with q in 0..31, a fifth bit beside the nibbles
+//   (Q5_0: m = -16 d). 0.75 bytes a weight (0.875 with Q5_K's float32 d and m).
+// - Q8_0 (q8_gemm): w = q * d (q int8, d fp16): out += d * sum. 1.06 bytes a weight. Q6_K
+//   (and a matrix mixing it with Q8_0, Q5_0 or Q4_0 parts) as int8 q - 32 in groups of 16
+//   with float32 d * sc (exact): 1.25 bytes.
+// All give the file's weights exactly (x = identity reads them back bit for bit). Like
 // int8_gemm.cpp every output has one order of operations whatever M is, so a row's bits do
-// not depend on the batch. (The Q4 blocks times activations rounded to integers, q4a8 and
-// q4a16: rounded_gemm.cpp.)
+// not depend on the batch. (The Q4 and Q5 blocks times activations rounded to integers,
+// q4a8, q4a16 and q5a16: rounded_gemm.cpp.)
 //
-// Packed (pack_q4, pack_q8 in cpu_kernels.py) in tiles of 32 outputs: Q4 qs[N / 32][K / 2][32]
-// bytes holding weights k (low nibble) and k + 1 (high) of an output and dm[N / 32][K / 32]
-// [2][32] fp16 (or float32), each block's d then m; Q8 qs[N / 32][K][32] int8 and
-// d[N / 32][K / 32][32].
+// Packed (pack_q4, pack_q5, pack_q8 in cpu_kernels.py) in tiles of 32 outputs: Q4
+// qs[N / 32][K / 2][32] bytes holding weights k (low nibble) and k + 1 (high) of an output and
+// dm[N / 32][K / 32][2][32] fp16 (or float32), each block's d then m; Q5 qs[N / 32][K / 2][40],
+// each pair's 32 bytes of nibbles then their 64 fifth bits (cpu_kernels.h); Q8
+// qs[N / 32][K][32] int8 and d[N / 32][K / G][32], G = 32 (fp16) or 16 (float32).
 
 #define UNROLL _Pragma("GCC unroll 16")
 
 static constexpr int64_t TILE = TILE_LANES, BLOCK = 32;
 
-// V vectors of LANES outputs (vec_offset: V = 2 * VPT spans two tiles) for MB rows.
-template <int V, int MB, typename S>
-static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs, const S* dm,
-                            float* y, int64_t n0, int64_t m0, int64_t K,
-                            int64_t N) {
-  const int64_t blocks = K / BLOCK, tile_qs = K / 2 * TILE, tile_dm = blocks * 2 * TILE;
+// V vectors of LANES outputs (vec_offset: V = 2 * VPT spans two tiles) for MB rows. PAIR:
+// Q4_PAIR, or Q5_PAIR with `fifth` the first vector's fifth bits in the first pair record.
+template <int V, int MB, typename S, int PAIR = Q4_PAIR>
+static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs,
+                            const uint8_t* fifth, const S* dm, float* y, int64_t n0, int64_t m0,
+                            int64_t K, int64_t N) {
+  const int64_t blocks = K / BLOCK, tile_qs = K / 2 * PAIR, tile_dm = blocks * 2 * TILE;
   alignas(64) float out[MB][V * LANES] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     // The block's even and odd weights in separate sums (two FMA chains a vector instead of
@@ -41,21 +47,27 @@ static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs
       // Weights k and k + 1 of V vectors, widened once for all MB rows. (The same sums in
       // the same order either way; one row takes each vector's pair as it goes instead, to
       // keep its accumulators in registers.)
-      auto pairs = [&](int v) { return widen_u8(qs + vec_offset(v, tile_qs) + (k / 2) * TILE); };
+      auto weights = [&](int v, vfloat& w0, vfloat& w1) {
+        const vint q = widen_u8(qs + vec_offset(v, tile_qs) + (k / 2) * PAIR);
+        w0 = low_nibble_float(q);
+        w1 = high_nibble_float(q);
+        if constexpr (PAIR == Q5_PAIR) {
+          const uint32_t bits = load_fifth(fifth + fifth_offset(v, tile_qs) + (k / 2) * PAIR);
+          w0 = add_fifth(w0, bits, 0);
+          w1 = add_fifth(w1, bits, 1);
+        }
+      };
       if constexpr (MB == 1) {
         const vfloat x0 = vbroadcast(x + m0 * K + k), x1 = vbroadcast(x + m0 * K + k + 1);
         UNROLL for (int v = 0; v < V; ++v) {
-          const vint q = pairs(v);
-          even[0][v] = vfma(low_nibble_float(q), x0, even[0][v]);
-          odd[0][v] = vfma(high_nibble_float(q), x1, odd[0][v]);
+          vfloat w0, w1;
+          weights(v, w0, w1);
+          even[0][v] = vfma(w0, x0, even[0][v]);
+          odd[0][v] = vfma(w1, x1, odd[0][v]);
         }
       } else {
         vfloat w0[V], w1[V];
-        UNROLL for (int v = 0; v < V; ++v) {
-          const vint q = pairs(v);
-          w0[v] = low_nibble_float(q);
-          w1[v] = high_nibble_float(q);
-        }
+        UNROLL for (int v = 0; v < V; ++v) weights(v, w0[v], w1[v]);
         UNROLL for (int j = 0; j < MB; ++j) {
           const vfloat x0 = vbroadcast(x + (m0 + j) * K + k);
           UNROLL for (int v = 0; v < V; ++v) even[j][v] = vfma(w0[v], x0, even[j][v]);
@@ -80,11 +92,20 @@ static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs
   store_rows<V, MB>(out, y, n0, m0, N);
 }
 
-template <typename S>
+// q4_block over tile t's vectors from v0 on, rows m.. (their nibbles, fifth bits and scales).
+template <int V, int MB, typename S, int PAIR>
+static inline void q4_tile(const float* x, const float* xs, const uint8_t* qs, const S* dm,
+                           float* y, int64_t t, int v0, int64_t m, int64_t K, int64_t N) {
+  const uint8_t* q = qs + t * (K / 2 * PAIR);
+  q4_block<V, MB, S, PAIR>(x, xs, q + v0 * LANES, q + FIFTH_AT + v0 * LANES / 4,
+                           dm + t * (K / BLOCK * 2 * TILE) + v0 * LANES, y, t * TILE + v0 * LANES,
+                           m, K, N);
+}
+
+template <typename S, int PAIR>
 static void q4_gemm_of(const float* x, const uint8_t* qs, const S* dm, float* y, int64_t M,
                        int64_t K, int64_t N) {
   const int64_t blocks = K / BLOCK, tiles = N / TILE;
-  const int64_t tile_qs = K / 2 * TILE, tile_dm = blocks * 2 * TILE;
   // Each row's block sums, once a call (the same for every output).
   std::vector<float> xsum(M * blocks);
   for (int64_t r = 0; r < M * blocks; ++r) {
@@ -95,52 +116,55 @@ static void q4_gemm_of(const float* x, const uint8_t* qs, const S* dm, float* y,
   const float* xs = xsum.data();
   over_tiles(
       M, tiles,
+      [&](int64_t t) { q4_tile<2 * VPT, 1, S, PAIR>(x, xs, qs, dm, y, t, 0, 0, K, N); },
+      [&](int64_t t) { q4_tile<VPT, 1, S, PAIR>(x, xs, qs, dm, y, t, 0, 0, K, N); },
       [&](int64_t t) {
-        q4_block<2 * VPT, 1>(x, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0, K, N);
-      },
-      [&](int64_t t) {
-        q4_block<VPT, 1>(x, xs, qs + t * tile_qs, dm + t * tile_dm, y, t * TILE, 0, K, N);
-      },
-      [&](int64_t t) {
-        const uint8_t* q = qs + t * tile_qs;
-        const S* s = dm + t * tile_dm;
         int64_t m = 0;
         if constexpr (ACCUMULATORS >= 16)  // 8 rows x a whole tile: weights widened once
           for (; M - m >= 8; m += 8)
             for (int v0 = 0; v0 < VPT; ++v0)
-              q4_block<1, 8>(x, xs, q + v0 * LANES, s + v0 * LANES, y, t * TILE + v0 * LANES, m,
-                             K, N);
+              q4_tile<1, 8, S, PAIR>(x, xs, qs, dm, y, t, v0, m, K, N);
         for (; M - m >= 4; m += 4)
           for (int v0 = 0; v0 < VPT; v0 += 2)
-            q4_block<2, 4>(x, xs, q + v0 * LANES, s + v0 * LANES, y, t * TILE + v0 * LANES, m,
-                           K, N);
-        for (; M - m >= 2; m += 2) q4_block<VPT, 2>(x, xs, q, s, y, t * TILE, m, K, N);
-        if (M - m == 1) q4_block<VPT, 1>(x, xs, q, s, y, t * TILE, m, K, N);
+            q4_tile<2, 4, S, PAIR>(x, xs, qs, dm, y, t, v0, m, K, N);
+        for (; M - m >= 2; m += 2) q4_tile<VPT, 2, S, PAIR>(x, xs, qs, dm, y, t, 0, m, K, N);
+        if (M - m == 1) q4_tile<VPT, 1, S, PAIR>(x, xs, qs, dm, y, t, 0, m, K, N);
       });
 }
 
 void q4_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
              int64_t K, int64_t N) {
-  q4_gemm_of(x, qs, dm, y, M, K, N);
+  q4_gemm_of<uint16_t, Q4_PAIR>(x, qs, dm, y, M, K, N);
 }
 
 void q4_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M, int64_t K,
              int64_t N) {
-  q4_gemm_of(x, qs, dm, y, M, K, N);
+  q4_gemm_of<float, Q4_PAIR>(x, qs, dm, y, M, K, N);
+}
+
+void q5_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
+             int64_t K, int64_t N) {
+  q4_gemm_of<uint16_t, Q5_PAIR>(x, qs, dm, y, M, K, N);
+}
+
+void q5_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M, int64_t K,
+             int64_t N) {
+  q4_gemm_of<float, Q5_PAIR>(x, qs, dm, y, M, K, N);
 }
 
 // ---- Q8_0 -------------------------------------------------------------------------------
 
-template <int V, int MB>
-static inline void q8_block(const float* x, const int8_t* qs, const uint16_t* ds, float* y,
-                            int64_t n0, int64_t m0, int64_t K, int64_t N) {
-  const int64_t blocks = K / BLOCK, tile_qs = K * TILE, tile_d = blocks * TILE;
+// G: the weights a scale covers (32, fp16 d; or 16, float32), S its type.
+template <int V, int MB, int G, typename S>
+static inline void q8_block(const float* x, const int8_t* qs, const S* ds, float* y, int64_t n0,
+                            int64_t m0, int64_t K, int64_t N) {
+  const int64_t groups = K / G, tile_qs = K * TILE, tile_d = groups * TILE;
   alignas(64) float out[MB][V * LANES] = {};
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = 0; b < groups; ++b) {
     vfloat in[MB][V];
     UNROLL for (int j = 0; j < MB; ++j)
       UNROLL for (int v = 0; v < V; ++v) in[j][v] = vzero();
-    for (int64_t k = b * BLOCK; k < (b + 1) * BLOCK; ++k) {
+    for (int64_t k = b * G; k < (b + 1) * G; ++k) {
       vfloat xk[MB];
       UNROLL for (int j = 0; j < MB; ++j) xk[j] = vbroadcast(x + (m0 + j) * K + k);
       UNROLL for (int v = 0; v < V; ++v) {
@@ -149,7 +173,7 @@ static inline void q8_block(const float* x, const int8_t* qs, const uint16_t* ds
       }
     }
     UNROLL for (int v = 0; v < V; ++v) {
-      const vfloat d = from_half(ds + vec_offset(v, tile_d) + b * TILE);
+      const vfloat d = load_scales(ds + vec_offset(v, tile_d) + b * TILE);
       UNROLL for (int j = 0; j < MB; ++j)
         vstore(out[j] + v * LANES, vfma(d, in[j][v], vload(out[j] + v * LANES)));
     }
@@ -157,78 +181,114 @@ static inline void q8_block(const float* x, const int8_t* qs, const uint16_t* ds
   store_rows<V, MB>(out, y, n0, m0, N);
 }
 
-void q8_gemm(const float* x, const int8_t* qs, const uint16_t* ds, float* y, int64_t M,
-             int64_t K, int64_t N) {
-  const int64_t tiles = N / TILE, tile_qs = K * TILE, tile_d = K / BLOCK * TILE;
+template <int G, typename S>
+static void q8_gemm_of(const float* x, const int8_t* qs, const S* ds, float* y, int64_t M,
+                       int64_t K, int64_t N) {
+  const int64_t tiles = N / TILE, tile_qs = K * TILE, tile_d = K / G * TILE;
   over_tiles(
       M, tiles,
       [&](int64_t t) {
-        q8_block<2 * VPT, 1>(x, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, 0, K, N);
+        q8_block<2 * VPT, 1, G>(x, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, 0, K, N);
       },
       [&](int64_t t) {
-        q8_block<VPT, 1>(x, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, 0, K, N);
+        q8_block<VPT, 1, G>(x, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, 0, K, N);
       },
       [&](int64_t t) {
         const int8_t* q = qs + t * tile_qs;
-        const uint16_t* s = ds + t * tile_d;
+        const S* s = ds + t * tile_d;
         int64_t m = 0;
         if constexpr (ACCUMULATORS >= 16)
-          for (; M - m >= 8; m += 8) q8_block<VPT, 8>(x, q, s, y, t * TILE, m, K, N);
+          for (; M - m >= 8; m += 8) q8_block<VPT, 8, G>(x, q, s, y, t * TILE, m, K, N);
         for (; M - m >= 4; m += 4)
           for (int v0 = 0; v0 < VPT; v0 += 2)
-            q8_block<2, 4>(x, q + v0 * LANES, s + v0 * LANES, y, t * TILE + v0 * LANES, m, K, N);
-        for (; M - m >= 1; ++m) q8_block<VPT, 1>(x, q, s, y, t * TILE, m, K, N);
+            q8_block<2, 4, G>(x, q + v0 * LANES, s + v0 * LANES, y, t * TILE + v0 * LANES, m, K,
+                              N);
+        for (; M - m >= 1; ++m) q8_block<VPT, 1, G>(x, q, s, y, t * TILE, m, K, N);
       });
+}
+
+void q8_gemm(const float* x, const int8_t* qs, const uint16_t* ds, float* y, int64_t M,
+             int64_t K, int64_t N) {
+  q8_gemm_of<32>(x, qs, ds, y, M, K, N);
+}
+
+void q8_gemm(const float* x, const int8_t* qs, const float* ds, float* y, int64_t M, int64_t K,
+             int64_t N) {
+  q8_gemm_of<16>(x, qs, ds, y, M, K, N);
 }
 
 template <typename S>
 using Q4Gemm = void (*)(const float*, const uint8_t*, const S*, float*, int64_t, int64_t, int64_t);
 
-// y = x . W^T by one of the Q4 kernels, after checking qs and dm are what it reads: pack_q4's
-// qs [N / 32][K / 2][32] (a8 = false) or pack_q4a8's [N / 32][K / 8][32][4], dm pack_q4's,
-// fp16 (half) or float32 (single).
-static torch::Tensor q4_call(Q4Gemm<uint16_t> half, Q4Gemm<float> single, bool a8,
-                             torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
+// The kernels for one kind of activations: Q4 and Q5 weights, fp16 or float32 scales.
+struct Q4Kernels {
+  Q4Gemm<uint16_t> q4_half;
+  Q4Gemm<float> q4_single;
+  Q4Gemm<uint16_t> q5_half;  // null where there is no Q5 kernel (q4a8)
+  Q4Gemm<float> q5_single;
+};
+
+// y = x . W^T by one of the Q4 or Q5 kernels, after checking qs and dm are what it reads:
+// pack_q4's qs [N / 32][K / 2][32], pack_q5's [N / 32][K / 2][40] or (a8) pack_q4a8's
+// [N / 32][K / 8][32][4]; dm pack_q4's, fp16 or float32.
+static torch::Tensor q4_call(const Q4Kernels& kernels, bool a8, torch::Tensor x, torch::Tensor qs,
+                             torch::Tensor dm) {
   TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kByte &&
               (dm.dtype() == torch::kHalf || dm.dtype() == torch::kFloat));
   TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && dm.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE;
-  const bool layout = a8 ? qs.dim() == 4 && qs.size(1) * 8 == K && qs.size(3) == 4
-                         : qs.dim() == 3 && qs.size(1) * 2 == K;
-  TORCH_CHECK(K % BLOCK == 0 && layout && qs.size(2) == TILE && dm.dim() == 4 &&
-              dm.size(0) == qs.size(0) && dm.size(1) * BLOCK == K,
-              "qs/dm must be packed by ", a8 ? "pack_q4a8" : "pack_q4", " for K = ", K);
+  const bool q5 = !a8 && qs.dim() == 3 && qs.size(2) == Q5_PAIR;
+  TORCH_CHECK(!q5 || kernels.q5_half, "no Q5 kernel with these activations");
+  const bool layout = a8 ? qs.dim() == 4 && qs.size(1) * 8 == K && qs.size(2) == TILE &&
+                               qs.size(3) == 4
+                         : qs.dim() == 3 && qs.size(1) * 2 == K &&
+                               (qs.size(2) == Q4_PAIR || qs.size(2) == Q5_PAIR);
+  TORCH_CHECK(K % BLOCK == 0 && layout && dm.dim() == 4 && dm.size(0) == qs.size(0) &&
+              dm.size(1) * BLOCK == K,
+              "qs/dm must be packed by ", a8 ? "pack_q4a8" : "pack_q4 or pack_q5", " for K = ", K);
   auto y = torch::empty({M, N}, x.options());
-  if (dm.dtype() == torch::kFloat)
-    single(x.data_ptr<float>(), qs.data_ptr<uint8_t>(), dm.data_ptr<float>(), y.data_ptr<float>(),
-           M, K, N);
-  else
-    half(x.data_ptr<float>(), qs.data_ptr<uint8_t>(),
-         reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), y.data_ptr<float>(), M, K, N);
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* q = qs.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  if (dm.dtype() == torch::kFloat) {
+    (q5 ? kernels.q5_single : kernels.q4_single)(xp, q, dm.data_ptr<float>(), yp, M, K, N);
+  } else {
+    const auto* d = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
+    (q5 ? kernels.q5_half : kernels.q4_half)(xp, q, d, yp, M, K, N);
+  }
   return y;
 }
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
-  return q4_call(q4_gemm, q4_gemm, false, x, qs, dm);
+  return q4_call({q4_gemm, q4_gemm, q5_gemm, q5_gemm}, false, x, qs, dm);
 }
 
 torch::Tensor q4a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
-  return q4_call(q4a16_gemm, q4a16_gemm, false, x, qs, dm);
+  return q4_call({q4a16_gemm, q4a16_gemm, q5a16_gemm, q5a16_gemm}, false, x, qs, dm);
 }
 
 torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
-  return q4_call(q4a8_gemm, q4a8_gemm, true, x, qs, dm);
+  return q4_call({q4a8_gemm, q4a8_gemm, nullptr, nullptr}, true, x, qs, dm);
 }
 
+// Q8 blocks: int8 qs [N / 32][K][32] and d [N / 32][K / 32][32] fp16 (Q8_0's) or
+// [N / 32][K / 16][32] float32 (groups of 16: Q6_K's d * sc).
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
-  TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kChar && d.dtype() == torch::kHalf);
+  const bool sixteen = d.dtype() == torch::kFloat;
+  TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kChar &&
+              (sixteen || d.dtype() == torch::kHalf));
   TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && d.is_contiguous());
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE;
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE, G = sixteen ? 16 : BLOCK;
   TORCH_CHECK(K % BLOCK == 0 && qs.dim() == 3 && qs.size(1) == K && qs.size(2) == TILE &&
-              d.dim() == 3 && d.size(0) == qs.size(0) && d.size(1) * BLOCK == K,
+              d.dim() == 3 && d.size(0) == qs.size(0) && d.size(1) * G == K,
               "qs/d must be packed by pack_q8 for K = ", K);
   auto y = torch::empty({M, N}, x.options());
-  q8_gemm(x.data_ptr<float>(), qs.data_ptr<int8_t>(),
-          reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), y.data_ptr<float>(), M, K, N);
+  if (sixteen)
+    q8_gemm(x.data_ptr<float>(), qs.data_ptr<int8_t>(), d.data_ptr<float>(), y.data_ptr<float>(),
+            M, K, N);
+  else
+    q8_gemm(x.data_ptr<float>(), qs.data_ptr<int8_t>(),
+            reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), y.data_ptr<float>(), M, K,
+            N);
   return y;
 }

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <vector>
 
 // One vector of float32 lanes for the matmul kernels: AVX-512 where the machine that builds
@@ -84,6 +85,22 @@ static inline vint nibble_words(const uint8_t* p) {
   return _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000F000F),
                                    0xA8);  // (A | B) & C
 }
+// Q5 blocks' fifth bits (pack_q5): 2 * LANES bits a pair of weights k, k + 1 of LANES
+// outputs, output i's at bits 2i (k) and 2i + 1 (k + 1). add_fifth adds 16 to weight k's
+// (parity 0) or k + 1's (parity 1) float lanes whose bit is set; add_fifth_words to the words
+// of nibble_words.
+static inline uint32_t load_fifth(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return bits;
+}
+static inline vfloat add_fifth(vfloat w, uint32_t bits, int parity) {
+  const __mmask16 on = _pext_u32(bits, parity ? 0xAAAAAAAAu : 0x55555555u);
+  return _mm512_mask_add_ps(w, on, w, _mm512_set1_ps(16.0f));
+}
+static inline vint add_fifth_words(vint w, uint32_t bits) {
+  return _mm512_mask_add_epi16(w, bits, w, _mm512_set1_epi16(16));
+}
 #else
 constexpr int LANES = 8;
 using vfloat = __m256;
@@ -147,9 +164,35 @@ static inline vint nibble_words(const uint8_t* p) {
   return _mm256_and_si256(_mm256_or_si256(b, _mm256_slli_epi32(b, 12)),
                           _mm256_set1_epi32(0x000F000F));
 }
+static inline uint32_t load_fifth(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return bits;
+}
+// No mask registers: each lane tests its own bit (and, compare), then adds 16 where set.
+static inline vfloat add_fifth(vfloat w, uint32_t bits, int parity) {
+  const __m256i bit = parity ? _mm256_setr_epi32(2, 8, 32, 128, 512, 2048, 8192, 32768)
+                             : _mm256_setr_epi32(1, 4, 16, 64, 256, 1024, 4096, 16384);
+  const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits), bit), bit);
+  return _mm256_add_ps(w, _mm256_and_ps(_mm256_castsi256_ps(on), _mm256_set1_ps(16.0f)));
+}
+static inline vint add_fifth_words(vint w, uint32_t bits) {
+  const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
+                                        8192, 16384, -32768);
+  const __m256i b = _mm256_set1_epi16(static_cast<int16_t>(bits));
+  const __m256i on = _mm256_cmpeq_epi16(_mm256_and_si256(b, bit), bit);
+  return _mm256_add_epi16(w, _mm256_and_si256(on, _mm256_set1_epi16(16)));
+}
 #endif
 constexpr int TILE_LANES = 32;            // outputs per packed tile (cpu_kernels.TILE)
 constexpr int VPT = TILE_LANES / LANES;  // vectors per tile: 4 (AVX2) or 2 (AVX-512)
+// Bytes a packed pair of weights k, k + 1 of a tile's 32 outputs takes: their nibbles (Q4),
+// then the fifth bits (Q5: pack_q5), which start at byte FIFTH_AT.
+constexpr int Q4_PAIR = TILE_LANES, Q5_PAIR = TILE_LANES + TILE_LANES / 4, FIFTH_AT = TILE_LANES;
+// Where vector v's fifth bits lie in a pair record, from the record's FIFTH_AT.
+static inline int64_t fifth_offset(int v, int64_t tile_stride) {
+  return (v / VPT) * tile_stride + (v % VPT) * LANES / 4;
+}
 // The vectors of a kernel block lie in consecutive tiles: vector v at tile v / VPT, lanes
 // from (v % VPT) * LANES.
 static inline int64_t vec_offset(int v, int64_t tile_stride) {
@@ -228,6 +271,20 @@ void q4a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y,
                 int64_t K, int64_t N);
 void q4a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
                 int64_t K, int64_t N);
+
+// Q5 blocks (Q5_0, Q5_1, Q5_K's groups of 32): q4's nibbles and a fifth bit per weight,
+// qs packed by pack_q5 [N / 32][K / 2][40]; w = q * d + m with q in 0..31.
+void q5_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
+             int64_t K, int64_t N);
+void q5_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M, int64_t K,
+             int64_t N);
+void q5a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
+                int64_t K, int64_t N);
+void q5a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
+                int64_t K, int64_t N);
+// Q8 blocks of 16 with float32 scales (Q6_K's: d * sc, exact): d [N / 32][K / 16][32].
+void q8_gemm(const float* x, const int8_t* qs, const float* d, float* y, int64_t M, int64_t K,
+             int64_t N);
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);

@@ -236,7 +236,14 @@ def _check_cases(module, n: int, g: torch.Generator) -> list[tuple]:
     m4k = m4.float() * ints(1, 4, (n, blocks))
     w4k = q4.double() * per_block(d4k) + per_block(m4k)
     _, dm4k = pack_q4(q4, d4k, m4k)
+    q5 = ints(0, 32, (n, k), torch.uint8)
+    w5 = q5.double() * per_block(d4) + per_block(m4)
+    qs5, _ = pack_q5(q5, d4, m4)
+    w5k = q5.double() * per_block(d4k) + per_block(m4k)
     d8 = (2.0 ** -ints(7, 9, (n, blocks))).half()
+    d16 = (2.0 ** -ints(7, 9, (n, 2 * blocks))) * ints(1, 4, (n, 2 * blocks))
+    qs16, ds16 = pack_q8(q8, d16)
+    w16 = q8.double() * d16.double().repeat_interleave(16, 1)
     qs8, ds8 = pack_q8(q8, d8)
     packed8, w8 = pack_int8(q8), q8.double() / 128
     w_q8 = q8.double() * per_block(d8)
@@ -249,7 +256,12 @@ def _check_cases(module, n: int, g: torch.Generator) -> list[tuple]:
         ("q4_linear (float32 d, m)", lambda x: module.q4_linear(x, qs4, dm4k), w4k, float_x),
         ("q4a16_linear (float32 d, m)", lambda x: module.q4a16_linear(x, qs4, dm4k), w4k, x16),
         ("q4a8_linear (float32 d, m)", lambda x: module.q4a8_linear(x, qs4a8, dm4k), w4k, x8),
+        ("q5_linear", lambda x: module.q4_linear(x, qs5, dm4), w5, float_x),
+        ("q5a16_linear", lambda x: module.q4a16_linear(x, qs5, dm4), w5, x16),
+        ("q5_linear (float32 d, m)", lambda x: module.q4_linear(x, qs5, dm4k), w5k, float_x),
+        ("q5a16_linear (float32 d, m)", lambda x: module.q4a16_linear(x, qs5, dm4k), w5k, x16),
         ("q8_linear", lambda x: module.q8_linear(x, qs8, ds8), w_q8, float_x),
+        ("q8_linear (groups of 16)", lambda x: module.q8_linear(x, qs16, ds16), w16, float_x),
     ]
 
 
@@ -278,6 +290,19 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Te
     return qs, dm.permute(0, 2, 3, 1).contiguous()
 
 
+def pack_q5(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """5-bit blocks (q uint8 [N, K] in 0..31; d, m as pack_q4's) as q5_gemm reads them: qs
+    uint8 [N / 32, K / 2, 40], each pair of weights k, k + 1 of a tile's 32 outputs as pack_q4's
+    32 bytes of low nibbles, then their 64 fifth bits, output o's at bits 2o (k) and 2o + 1
+    (k + 1), little-endian; dm as pack_q4's."""
+    n, k = q.shape
+    nibbles, dm = pack_q4(q & 0x0F, d, m)
+    high = (q >> 4).view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3)  # [N/32, K/2, 32, 2]
+    weights = 1 << torch.arange(8, dtype=torch.int32)
+    bits = (high.reshape(n // TILE, k // 2, 8, 8).to(torch.int32) * weights).sum(-1)
+    return torch.cat([nibbles, bits.to(torch.uint8)], dim=-1).contiguous(), dm
+
+
 def pack_q4a8(q: torch.Tensor) -> torch.Tensor:
     """4-bit weights q uint8 [N, K] in 0..15 as q4a8_gemm reads them: [N / 32, K / 8, 32, 4],
     for each 8 weights of an output 4 bytes, byte j holding weights j (low nibble) and j + 4
@@ -296,7 +321,8 @@ def unpack_q4a8(qs: torch.Tensor) -> torch.Tensor:
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A GGUF matrix's Q8_0 blocks as q8_gemm reads them: q int8 [N, K] and fp16 d
-    [N, K / 32] (w = q * d) -> qs int8 [N / 32, K, 32] and d fp16 [N / 32, K / 32, 32]."""
+    [N, K / 32] (w = q * d) -> qs int8 [N / 32, K, 32] and d fp16 [N / 32, K / 32, 32]; or
+    float32 d [N, K / 16] (groups of 16: Q6_K's) -> [N / 32, K / 16, 32]."""
     n, k = q.shape
     qs = q.view(n // TILE, TILE, k).transpose(1, 2).contiguous()
-    return qs, d.view(n // TILE, TILE, k // 32).transpose(1, 2).contiguous()
+    return qs, d.view(n // TILE, TILE, d.shape[1]).transpose(1, 2).contiguous()

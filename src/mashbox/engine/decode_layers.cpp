@@ -104,16 +104,18 @@ static void attend(const float* q, const float* k, const float* v, float* out, i
   }
 }
 
-// A decode matrix, told apart by its tensors' dtypes: int8 per output channel (int8 packed
-// weights, float32 scales: int8_gemm.cpp), or a GGUF's own Q4 blocks (uint8 qs, fp16 d and
-// m, or float32 for Q4_K's; 4-dim qs: for int8 activations) or Q8_0 blocks (int8 qs, fp16 d:
-// blocks_gemm.cpp).
+// A decode matrix, told apart by its tensors' dtypes and shapes: int8 per output channel
+// (int8 packed weights, float32 scales [N]: int8_gemm.cpp), a GGUF's own Q4 or Q5 blocks
+// (uint8 qs, [.., 32] for Q4, [.., 40] for Q5, 4-dim for Q4 with int8 activations; fp16 d
+// and m, or float32 for the K-quants' groups of 32) or Q8 blocks (int8 qs; fp16 d per 32, or
+// float32 per 16: Q6_K's): blocks_gemm.cpp and rounded_gemm.cpp.
 struct Mat {
   torch::Tensor a, b;
   int64_t q4_activation_bits = 32;  // what Q4 blocks multiply: float32, int16 or int8 x
-  bool q4() const { return a.scalar_type() == torch::kByte; }
-  bool int8() const { return !q4() && b.scalar_type() == torch::kFloat; }
+  bool q4() const { return a.scalar_type() == torch::kByte; }  // Q5 too
+  bool int8() const { return !q4() && b.dim() == 1; }
   bool q4a8() const { return q4() && a.dim() == 4; }  // pack_q4a8's [N/32][K/8][32][4]
+  bool q5() const { return q4() && a.dim() == 3 && a.size(2) == Q5_PAIR; }
   int64_t n() const { return int8() ? b.size(0) : a.size(0) * 32; }
   int64_t k() const { return q4a8() ? a.size(1) * 8 : q4() ? a.size(1) * 2 : a.size(1); }
   void operator()(const float* x, float* y, int64_t rows) const {
@@ -121,8 +123,11 @@ struct Mat {
       int8_gemm(x, a.data_ptr<int8_t>(), b.data_ptr<float>(), y, rows, k(), n());
       return;
     }
-    if (q4() && b.scalar_type() == torch::kFloat) {
-      run_q4(x, b.data_ptr<float>(), y, rows);
+    if (b.scalar_type() == torch::kFloat) {
+      if (q4())
+        run_q4(x, b.data_ptr<float>(), y, rows);
+      else
+        q8_gemm(x, a.data_ptr<int8_t>(), b.data_ptr<float>(), y, rows, k(), n());
       return;
     }
     const auto* scales = reinterpret_cast<const uint16_t*>(b.data_ptr<at::Half>());
@@ -133,12 +138,17 @@ struct Mat {
   }
   template <typename S>  // fp16 (uint16_t) or float32 d and m
   void run_q4(const float* x, const S* scales, float* y, int64_t rows) const {
-    if (q4a8())
-      q4a8_gemm(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n());
+    const uint8_t* q = a.data_ptr<uint8_t>();
+    if (q5() && q4_activation_bits < 32)  // int16 whenever Q4 rounds activations: no q5a8
+      q5a16_gemm(x, q, scales, y, rows, k(), n());
+    else if (q5())
+      q5_gemm(x, q, scales, y, rows, k(), n());
+    else if (q4a8())
+      q4a8_gemm(x, q, scales, y, rows, k(), n());
     else if (q4_activation_bits == 16)
-      q4a16_gemm(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n());
+      q4a16_gemm(x, q, scales, y, rows, k(), n());
     else
-      q4_gemm(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n());
+      q4_gemm(x, q, scales, y, rows, k(), n());
   }
 };
 

@@ -7,7 +7,10 @@ bytes: d and dmin (fp16), eight 6-bit scales sc and mins mn packed in 12 bytes, 
 nibbles; its sub-block j is w = (d * sc_j) * q - dmin * mn_j, a Q4_1 group whose d and m,
 an fp16 times a 6-bit integer (17 significant bits), are exact in float32 but not always in
 fp16: kept as float32, 0.75 bytes a weight where the file has 0.5625 (mashbox's kernels
-only: torch's would round them to bf16). Two kernels read them:
+only: torch's would round them to bf16). Q5_0, Q5_1 and Q5_K are the same with a fifth bit
+per weight (q in 0..31; Q5_0: w = (q - 16) * d, m = -16 d), packed beside the nibbles
+(cpu_kernels.pack_q5): 0.75 bytes a weight, 0.875 for Q5_K; mashbox's kernels only. Two
+kernels read them:
 - mashbox's (blocks_gemm.cpp and rounded_gemm.cpp, where the CPU kernels build): q, d and m
   as stored, times float32 activations, or activations rounded per block of 32 to int16 or
   int8 for exact integer dot products (faster; int8 is llama.cpp's rounding): the file's
@@ -29,9 +32,11 @@ from . import cpu_kernels
 from .weights import RawBlocks
 
 GROUP = 32  # the GGUF block: one kernel group
-EXACT_QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
-K_QTYPES = (Q.Q4_K,)  # whose groups take float32 d and m: mashbox's kernels only
-KEPT_QTYPES = (*EXACT_QTYPES, Q.Q8_0)  # the blocks an int4 engine loads as stored
+Q5_QTYPES = (Q.Q5_0, Q.Q5_1, Q.Q5_K)  # five bits a weight: mashbox's kernels only
+EXACT_QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K, *Q5_QTYPES)
+K_QTYPES = (Q.Q4_K, Q.Q5_K)  # whose groups take float32 d and m: mashbox's kernels only
+# The blocks an int4 engine loads as stored (Q8_0 and Q6_K: q8_weight.py).
+KEPT_QTYPES = (*EXACT_QTYPES, Q.Q8_0, Q.Q6_K)
 # Decode weights that read those blocks, and what their 4-bit matrices multiply: float32
 # activations, or activations rounded per block of 32 to int16 (near float32) or int8.
 BLOCK_KINDS = {"int4": "float", "int4a16": "int16", "int4a8": "int8"}
@@ -52,7 +57,7 @@ def fits(blocks: list[RawBlocks | None]) -> bool:
     if any(b is None or b.qtype not in EXACT_QTYPES for b in blocks):
         return False
     rows = sum(b.data.shape[0] for b in blocks)
-    if any(b.qtype in K_QTYPES for b in blocks):
+    if any(b.qtype in (*K_QTYPES, *Q5_QTYPES) for b in blocks):
         return rows % cpu_kernels.TILE == 0 and cpu_kernels.load() is not None
     # The kernel packs output rows in groups of 16.
     return rows % 16 == 0
@@ -82,12 +87,48 @@ def unpack_q4_k(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q, (d * sc.float()).reshape(n, -1), (-(dmin * mn.float())).reshape(n, -1)
 
 
+def fifth_bits(qh: Tensor) -> Tensor:
+    """A Q5_0 / Q5_1 block's 32 high bits (4 bytes, little-endian) as 0 or 16 per weight,
+    uint8 [..., 32]: bit j is weight j's."""
+    bits = (qh[..., :, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [..., 4, 8]
+    return bits.reshape(*qh.shape[:-1], 32) << 4
+
+
+def unpack_q5_k(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Q5_K blocks uint8 [N, K / 256, 176] as groups of 32, as unpack_q4_k: q uint8 [N, K] in
+    0..31 (sub-block j's fifth bits are bit j of the 32 qh bytes), float32 d and m."""
+    n = b.shape[0]
+    d = b[..., 0:2].contiguous().view(torch.float16).float()
+    dmin = b[..., 2:4].contiguous().view(torch.float16).float()
+    sc, mn = q4_k_scales(b[..., 4:16])
+    qh = b[..., 16:48]  # [N, K / 256, 32]
+    high = ((qh[..., None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1) << 4
+    qs = b[..., 48:].reshape(n, -1, 4, 1, 32)
+    low = torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(n, -1, 8, 32)
+    q = (low | high).reshape(n, -1)
+    return q, (d * sc.float()).reshape(n, -1), (-(dmin * mn.float())).reshape(n, -1)
+
+
 def unpack(blocks: RawBlocks) -> tuple[Tensor, Tensor, Tensor]:
-    """Nibbles uint8 [N, K] and each block's d and m, fp16 [N, K / 32], as stored (Q4_0:
-    m = -8 d, exact in fp16), or float32 for Q4_K's groups of 32: w = q * d + m."""
+    """Each block's q uint8 [N, K] (0..15, or 0..31 for Q5), d and m, fp16 [N, K / 32], as
+    stored (Q4_0: m = -8 d, Q5_0: m = -16 d, exact in fp16 where finite), or float32 for the
+    K-quants' groups of 32: w = q * d + m."""
     b = blocks.data
     if blocks.qtype == Q.Q4_K:
         return unpack_q4_k(b)
+    if blocks.qtype == Q.Q5_K:
+        return unpack_q5_k(b)
+    if blocks.qtype in (Q.Q5_0, Q.Q5_1):
+        d, at = b[..., 0:2].contiguous().view(torch.float16)[..., 0], 2
+        if blocks.qtype == Q.Q5_1:
+            m, at = b[..., 2:4].contiguous().view(torch.float16)[..., 0], 4
+        else:
+            m = d * -16
+            if not m.isfinite().all():  # |d| >= 2^12: -16 d is exact in float32 only
+                d, m = d.float(), d.float() * -16
+        qs = b[..., at + 4 :]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1) | fifth_bits(b[..., at : at + 4])
+        return q.reshape(b.shape[0], -1), d, m
     d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
     if blocks.qtype == Q.Q4_1:
         m = b[..., 2:4].contiguous().view(torch.float16)[..., 0]
@@ -115,7 +156,8 @@ class Int4Weight:
         if w.device.type != "cpu":
             raise ValueError("int4 decode weights run on the CPU only")
         parts = [unpack(b) for b in blocks]
-        # fp16 d and m where every part has them; float32 (exactly the same values) with Q4_K
+        # fp16 d and m where every part has them; float32 (exactly the same values) with the
+        # K-quants, or where fp16 overflowed (Q5_0's -16 d)
         q, d, m = (torch.cat(p) for p in zip(*parts, strict=True))
         if q.shape != w.shape:
             raise ValueError(f"blocks of shape {tuple(q.shape)} for a weight {tuple(w.shape)}")
@@ -123,8 +165,12 @@ class Int4Weight:
         self.dtype = dtype
         self.kernel = cpu_kernels.load() if ours and q.shape[0] % cpu_kernels.TILE == 0 else None
         self.activations = activations if self.kernel is not None else "float"
+        five = any(b.qtype in Q5_QTYPES for b in blocks)
+        if five and self.activations == "int8":
+            self.activations = "int16"  # no Q5 kernel takes int8 activations (q5a8)
         if self.kernel is not None:
-            self.qs, self.dm = cpu_kernels.pack_q4(q, d, m)
+            pack = cpu_kernels.pack_q5 if five else cpu_kernels.pack_q4
+            self.qs, self.dm = pack(q, d, m)
             if self.activations == "int8":
                 self.qs = cpu_kernels.pack_q4a8(q)
         else:

@@ -1,6 +1,14 @@
-"""Q8_0 decode weights: a GGUF's own Q8_0 blocks (w = q * d per block of 32, q int8, d fp16)
-read as stored by mashbox's kernel (blocks_gemm.cpp), never re-quantized (`Q8Weight`). An
-int4 engine's choice for the matrices the file keeps in Q8_0 (int4.py holds the 4-bit ones)."""
+"""Q8 decode weights: int8 values times a scale per block, read as stored by mashbox's kernel
+(blocks_gemm.cpp), never re-quantized (`Q8Weight`). An int4 engine's choice for the matrices
+the file keeps in Q8_0 (w = q * d per block of 32, q int8, d fp16) or Q6_K, and for those
+whose parts mix either with Q5_0 or Q4_0 (int4.py holds the matrices that are 4 or 5 bits
+throughout):
+- Q5_0 and Q4_0 blocks are Q8_0 blocks with small values: q - 16 or q - 8, the same d.
+- Q6_K (256 weights: 6-bit q, an int8 scale sc per 16, fp16 d) is w = (d * sc) * (q - 32):
+  int8 q - 32 in groups of 16 with float32 d * sc, exact (an fp16 times an int8 has at most
+  19 significant bits). 1.25 bytes a weight where the file has 0.82 and int8 per channel ~1:
+  the price of reading the file's weights exactly.
+"""
 
 from __future__ import annotations
 
@@ -10,30 +18,66 @@ from gguf import GGMLQuantizationType as Q
 from torch import Tensor
 
 from . import cpu_kernels
-from .int4 import BLOCKS_MAX_ROWS
+from .int4 import BLOCKS_MAX_ROWS, unpack
 from .weights import RawBlocks
+
+Q8_QTYPES = (Q.Q8_0, Q.Q6_K, Q.Q5_0, Q.Q4_0)  # whose weights are int8 values times a scale
 
 
 def fits_q8(blocks: list[RawBlocks | None]) -> bool:
-    """Whether a matrix's parts are all Q8_0 blocks that mashbox's kernel can read."""
-    if any(b is None or b.qtype != Q.Q8_0 for b in blocks):
+    """Whether a matrix's parts are all blocks of int8 values times a scale (Q8_QTYPES) that
+    mashbox's kernel can read."""
+    if any(b is None or b.qtype not in Q8_QTYPES for b in blocks):
         return False
     rows = sum(b.data.shape[0] for b in blocks)
     return rows % cpu_kernels.TILE == 0 and cpu_kernels.load() is not None
 
 
+def unpack_q6_k(b: Tensor) -> tuple[Tensor, Tensor]:
+    """Q6_K blocks uint8 [N, K / 256, 210] (ql[128], qh[64], int8 scales[16], fp16 d) as int8
+    q - 32 [N, K] and float32 d * sc [N, K / 16]. Weight 128h + 64s + j (j < 64) has low
+    nibble s of ql[64h + j]; weight 128h + 32s + j (j < 32) has bits 2s, 2s + 1 of qh[32h + j]
+    as its top two."""
+    n = b.shape[0]
+    ql = b[..., :128].reshape(n, -1, 2, 1, 64)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=-2).reshape(n, -1, 256)
+    qh = b[..., 128:192].reshape(n, -1, 2, 1, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    high = ((qh >> shifts) & 3).reshape(n, -1, 256)
+    q = (low | (high << 4)).to(torch.int8) - 32
+    sc = b[..., 192:208].contiguous().view(torch.int8).float()
+    d = b[..., 208:210].contiguous().view(torch.float16).float()
+    return q.reshape(n, -1), (d * sc).reshape(n, -1)
+
+
+def int8_blocks(blocks: RawBlocks) -> tuple[Tensor, Tensor]:
+    """A part's weights as int8 q [N, K] and scales: fp16 d [N, K / 32] (Q8_0, Q5_0, Q4_0) or
+    float32 d [N, K / 16] (Q6_K): w = q * d."""
+    b = blocks.data
+    if blocks.qtype == Q.Q6_K:
+        return unpack_q6_k(b)
+    if blocks.qtype == Q.Q8_0:
+        d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
+        return b[..., 2:].contiguous().view(torch.int8).reshape(b.shape[0], -1), d
+    q, d, _ = unpack(blocks)  # Q5_0 / Q4_0: w = (q - 16) * d or (q - 8) * d
+    offset = 16 if blocks.qtype == Q.Q5_0 else 8
+    return (q.to(torch.int16) - offset).to(torch.int8), d
+
+
 class Q8Weight:
-    """A weight kept twice: float for prefill-sized batches, and the file's Q8_0 blocks
-    (w = q * d per block of 32, q int8, d fp16) as stored, for mashbox's kernel."""
+    """A weight kept twice: float for prefill-sized batches, and int8 values times a scale per
+    block of 32 (fp16) or 16 (float32, where a part is Q6_K), as the file stores them."""
 
     kind = "q8_0"
-    max_rows = BLOCKS_MAX_ROWS  # rows up to which a call uses the Q8_0 blocks
+    max_rows = BLOCKS_MAX_ROWS  # rows up to which a call uses the blocks
     activation_bits = 32  # activations are never rounded to integers
 
     def __init__(self, w: Tensor, blocks: list[RawBlocks]):
-        b = torch.cat([part.data for part in blocks])  # [N, K / 32, 34]
-        d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
-        q = b[..., 2:].contiguous().view(torch.int8).reshape(b.shape[0], -1)
+        parts = [int8_blocks(b) for b in blocks]
+        if any(d.dtype == torch.float32 for _, d in parts):  # groups of 16 for all
+            parts = [(q, d.float().repeat_interleave(q.shape[1] // d.shape[1] // 16, 1))
+                     for q, d in parts]  # fmt: skip
+        q, d = (torch.cat(p) for p in zip(*parts, strict=True))
         if q.shape != w.shape:
             raise ValueError(f"blocks of shape {tuple(q.shape)} for a weight {tuple(w.shape)}")
         self.w = w

@@ -2,9 +2,10 @@
 
 #include <cmath>
 
-// y[M, N] = x[M, K] . W^T with W a GGUF file's own Q4 blocks (packed as for q4_gemm,
-// blocks_gemm.cpp: Q4_0 / Q4_1 with fp16 d and m, Q4_K's groups of 32 with float32 ones) and
-// the activations rounded to integers per block of 32, for exact integer dot products.
+// y[M, N] = x[M, K] . W^T with W a GGUF file's own Q4 or Q5 blocks (packed as for q4_gemm and
+// q5_gemm, blocks_gemm.cpp: Q4_0 / Q4_1 / Q5_0 / Q5_1 with fp16 d and m, Q4_K's and Q5_K's
+// groups of 32 with float32 ones) and the activations rounded to integers per block of 32, for
+// exact integer dot products. (Q5 takes int16 activations only: q5a16.)
 
 #define UNROLL _Pragma("GCC unroll 16")
 
@@ -56,10 +57,11 @@ static inline void add_block_sums(const vint (&sum)[MB][V], const float* dx, con
   }
 }
 
-template <int V, int MB, typename S>
+template <int V, int MB, int PAIR, typename S>
 static inline void q4a8_block(const int8_t* xq, const float* dx, const float* xs,
-                              const uint8_t* qs, const S* dm, float* y, int64_t n0,
-                              int64_t m0, int64_t K, int64_t N) {
+                              const uint8_t* qs, const uint8_t*, const S* dm, float* y,
+                              int64_t n0, int64_t m0, int64_t K, int64_t N) {
+  static_assert(PAIR == Q4_PAIR, "pack_q4a8 holds 4-bit weights only");
   const int64_t blocks = K / BLOCK, tile_qs = K / 2 * TILE, tile_dm = blocks * 2 * TILE;
   alignas(64) float out[MB][V * LANES] = {};
   for (int64_t b = 0; b < blocks; ++b) {
@@ -88,16 +90,17 @@ static inline void q4a8_block(const int8_t* xq, const float* dx, const float* xs
   store_rows<V, MB>(out, y, n0, m0, N);
 }
 
-// ---- Q4 x int16 activations (q4a16) --------------------------------------------------------
-// As q4a8 with activations in int16 per block (dx = max|x| / 32767) and pack_q4's layout:
-// each lane holds an output's weights k and k + 1 as two words (nibble_words), times the
-// row's xq[k], xq[k + 1] (dot2). Block sums stay below 32 * 15 * 32767 < 2^31.
+// ---- Q4 and Q5 x int16 activations (q4a16, q5a16) -----------------------------------------
+// As q4a8 with activations in int16 per block (dx = max|x| / 32767) and pack_q4's (or
+// pack_q5's) layout: each lane holds an output's weights k and k + 1 as two words
+// (nibble_words, plus 16 where a fifth bit is set), times the row's xq[k], xq[k + 1] (dot2).
+// Block sums stay below 32 * 31 * 32767 < 2^31.
 
-template <int V, int MB, typename S>
+template <int V, int MB, int PAIR, typename S>
 static inline void q4a16_block(const int16_t* xq, const float* dx, const float* xs,
-                               const uint8_t* qs, const S* dm, float* y, int64_t n0,
-                               int64_t m0, int64_t K, int64_t N) {
-  const int64_t blocks = K / BLOCK, tile_qs = K / 2 * TILE, tile_dm = blocks * 2 * TILE;
+                               const uint8_t* qs, const uint8_t* fifth, const S* dm, float* y,
+                               int64_t n0, int64_t m0, int64_t K, int64_t N) {
+  const int64_t blocks = K / BLOCK, tile_qs = K / 2 * PAIR, tile_dm = blocks * 2 * TILE;
   alignas(64) float out[MB][V * LANES] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     vint sum[MB][V];
@@ -106,8 +109,11 @@ static inline void q4a16_block(const int16_t* xq, const float* dx, const float* 
     UNROLL for (int64_t kp = 0; kp < BLOCK / 2; ++kp) {
       const int64_t k = b * BLOCK + 2 * kp;
       vint w[V];
-      UNROLL for (int v = 0; v < V; ++v)
-        w[v] = nibble_words(qs + vec_offset(v, tile_qs) + k / 2 * TILE);
+      UNROLL for (int v = 0; v < V; ++v) {
+        w[v] = nibble_words(qs + vec_offset(v, tile_qs) + k / 2 * PAIR);
+        if constexpr (PAIR == Q5_PAIR)
+          w[v] = add_fifth_words(w[v], load_fifth(fifth + fifth_offset(v, tile_qs) + k / 2 * PAIR));
+      }
       UNROLL for (int j = 0; j < MB; ++j) {
         const vint x = broadcast2(xq + (m0 + j) * K + k);
         UNROLL for (int v = 0; v < V; ++v) sum[j][v] = dot2(sum[j][v], w[v], x);
@@ -123,22 +129,33 @@ static inline void q4a16_block(const int16_t* xq, const float* dx, const float* 
 struct Int8Rows {
   using T = int8_t;
   static constexpr int LIMIT = 127, LANE_BYTES = 4;
-  template <int V, int MB, typename... A>
-  static void block(A... a) { q4a8_block<V, MB>(a...); }
+  template <int V, int MB, int PAIR, typename... A>
+  static void block(A... a) { q4a8_block<V, MB, PAIR>(a...); }
 };
 struct Int16Rows {
   using T = int16_t;
   static constexpr int LIMIT = 32767, LANE_BYTES = 1;
-  template <int V, int MB, typename... A>
-  static void block(A... a) { q4a16_block<V, MB>(a...); }
+  template <int V, int MB, int PAIR, typename... A>
+  static void block(A... a) { q4a16_block<V, MB, PAIR>(a...); }
 };
 
+// Rows::block over tile t's vectors from v0 on, rows m.. (their weights, fifth bits, scales).
+template <typename Rows, int V, int MB, int PAIR, typename S>
+static inline void rounded_tile(const typename Rows::T* xq, const float* dx, const float* xs,
+                                const uint8_t* qs, const S* dm, float* y, int64_t t, int v0,
+                                int64_t m, int64_t K, int64_t N) {
+  const uint8_t* q = qs + t * (K / 2 * PAIR);
+  Rows::template block<V, MB, PAIR>(xq, dx, xs, q + v0 * LANES * Rows::LANE_BYTES,
+                                    q + FIFTH_AT + v0 * LANES / 4,
+                                    dm + t * (K / BLOCK * 2 * TILE) + v0 * LANES, y,
+                                    t * TILE + v0 * LANES, m, K, N);
+}
+
 // Round x per block (quantize_rows), then spread the tiles as q4_gemm does.
-template <typename Rows, typename S>
+template <typename Rows, int PAIR, typename S>
 static void rounded_q4_gemm(const float* x, const uint8_t* qs, const S* dm, float* y, int64_t M,
                             int64_t K, int64_t N) {
   const int64_t blocks = K / BLOCK, tiles = N / TILE;
-  const int64_t tile_qs = K / 2 * TILE, tile_dm = blocks * 2 * TILE;
   std::vector<typename Rows::T> xq_(M * K);
   std::vector<float> dx_(M * blocks), xs_(M * blocks);
   quantize_rows<typename Rows::T, Rows::LIMIT>(x, xq_.data(), dx_.data(), xs_.data(), M, K);
@@ -146,47 +163,48 @@ static void rounded_q4_gemm(const float* x, const uint8_t* qs, const S* dm, floa
   const float *dx = dx_.data(), *xs = xs_.data();
   over_tiles(
       M, tiles,
+      [&](int64_t t) { rounded_tile<Rows, 2 * VPT, 1, PAIR>(xq, dx, xs, qs, dm, y, t, 0, 0, K, N); },
+      [&](int64_t t) { rounded_tile<Rows, VPT, 1, PAIR>(xq, dx, xs, qs, dm, y, t, 0, 0, K, N); },
       [&](int64_t t) {
-        Rows::template block<2 * VPT, 1>(xq, dx, xs, qs + t * tile_qs, dm + t * tile_dm, y,
-                                         t * TILE, int64_t{0}, K, N);
-      },
-      [&](int64_t t) {
-        Rows::template block<VPT, 1>(xq, dx, xs, qs + t * tile_qs, dm + t * tile_dm, y,
-                                     t * TILE, int64_t{0}, K, N);
-      },
-      [&](int64_t t) {
-        const uint8_t* q = qs + t * tile_qs;
-        const S* s = dm + t * tile_dm;
         int64_t m = 0;
         if constexpr (ACCUMULATORS >= 16)  // 8 rows x a whole tile: weights unpacked once
           for (; M - m >= 8; m += 8)
-            Rows::template block<VPT, 8>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
+            rounded_tile<Rows, VPT, 8, PAIR>(xq, dx, xs, qs, dm, y, t, 0, m, K, N);
         for (; M - m >= 4; m += 4)
           for (int v0 = 0; v0 < VPT; v0 += 2)
-            Rows::template block<2, 4>(xq, dx, xs, q + v0 * LANES * Rows::LANE_BYTES,
-                                       s + v0 * LANES, y, t * TILE + v0 * LANES, m, K, N);
+            rounded_tile<Rows, 2, 4, PAIR>(xq, dx, xs, qs, dm, y, t, v0, m, K, N);
         for (; M - m >= 2; m += 2)
-          Rows::template block<VPT, 2>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
-        if (M - m == 1) Rows::template block<VPT, 1>(xq, dx, xs, q, s, y, t * TILE, m, K, N);
+          rounded_tile<Rows, VPT, 2, PAIR>(xq, dx, xs, qs, dm, y, t, 0, m, K, N);
+        if (M - m == 1) rounded_tile<Rows, VPT, 1, PAIR>(xq, dx, xs, qs, dm, y, t, 0, m, K, N);
       });
 }
 
 void q4a8_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
                int64_t K, int64_t N) {
-  rounded_q4_gemm<Int8Rows>(x, qs, dm, y, M, K, N);
+  rounded_q4_gemm<Int8Rows, Q4_PAIR>(x, qs, dm, y, M, K, N);
 }
 
 void q4a8_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
                int64_t K, int64_t N) {
-  rounded_q4_gemm<Int8Rows>(x, qs, dm, y, M, K, N);
+  rounded_q4_gemm<Int8Rows, Q4_PAIR>(x, qs, dm, y, M, K, N);
 }
 
 void q4a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
                 int64_t K, int64_t N) {
-  rounded_q4_gemm<Int16Rows>(x, qs, dm, y, M, K, N);
+  rounded_q4_gemm<Int16Rows, Q4_PAIR>(x, qs, dm, y, M, K, N);
 }
 
 void q4a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
                 int64_t K, int64_t N) {
-  rounded_q4_gemm<Int16Rows>(x, qs, dm, y, M, K, N);
+  rounded_q4_gemm<Int16Rows, Q4_PAIR>(x, qs, dm, y, M, K, N);
+}
+
+void q5a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
+                int64_t K, int64_t N) {
+  rounded_q4_gemm<Int16Rows, Q5_PAIR>(x, qs, dm, y, M, K, N);
+}
+
+void q5a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
+                int64_t K, int64_t N) {
+  rounded_q4_gemm<Int16Rows, Q5_PAIR>(x, qs, dm, y, M, K, N);
 }
