@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mashbox.engine import kernel_build
+from mashbox.engine import cpu_kernels, kernel_build
 from mashbox.engine.engine import Engine
 from mashbox.engine.int4 import Int4Weight
 from mashbox.engine.q8_weight import Q8Weight
@@ -72,7 +72,7 @@ def engine(request, tmp_path_factory):
 
 
 @torch.inference_mode()
-def decode(engine: Engine, slots: list[int], fused: bool):
+def decode(engine: Engine, slots: list[int], fused: bool, prompts: dict = PROMPTS):
     """Hidden states of len(FED) decode steps of `slots` from the prefilled caches, and the
     caches after them (the engine's caches are left as they were)."""
     model, cache = engine.model, engine.cache
@@ -81,7 +81,7 @@ def decode(engine: Engine, slots: list[int], fused: bool):
     try:
         hidden = []
         for i, token in enumerate(FED):
-            positions = torch.tensor([len(PROMPTS[s]) + i for s in slots])
+            positions = torch.tensor([len(prompts[s]) + i for s in slots])
             ids = torch.tensor([token] * len(slots))
             hidden.append(model.decode(cache, slots, ids, positions))
         return torch.stack(hidden), cache.k.clone(), cache.v.clone()
@@ -107,3 +107,61 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch(engine):
     for i, slot in enumerate([2, 0, 3]):
         alone, _, _ = decode(engine, [slot], fused=True)
         assert torch.equal(alone[:, 0], batch[:, i]), slot
+
+
+LONG = 3000  # positions: several of the attention's chunks (decode_math.h's ATTENTION_CHUNK)
+
+
+@pytest.fixture(scope="module")
+def long_engine(tmp_path_factory):
+    """A 3k-token row (slot 0) and a short one (slot 1), head_dim 64 (the registers' path)
+    and two query heads to a kv head."""
+    w = random_weights(vocab=97, d_model=256, n_heads=4, n_kv_heads=2, seed=7)
+    path = write_gguf(
+        tmp_path_factory.mktemp("long") / "m.gguf", w, no_tokenizer, n_heads=4, n_kv_heads=2
+    )
+    engine = Engine(path, slots=2, ctx=LONG + 8, decode_weights="int8")
+    assert engine.model.decode_stack is not None and engine.model.cfg.head_dim == 64
+    prompts = {0: np.random.default_rng(8).integers(0, 97, LONG).tolist(), 1: PROMPTS[0]}
+    with torch.inference_mode():
+        for slot, ids in prompts.items():
+            engine.model.prefill(engine.cache, slot, 0, torch.tensor(ids))
+    return engine, prompts
+
+
+def test_a_long_context_computes_what_the_torch_ops_compute(long_engine):
+    engine, prompts = long_engine
+    fused, k, v = decode(engine, [0, 1], fused=True, prompts=prompts)
+    torch_ops, k_ref, v_ref = decode(engine, [0, 1], fused=False, prompts=prompts)
+    torch.testing.assert_close(fused, torch_ops, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_row_has_the_same_bits_alone_and_beside_a_longer_row(long_engine):
+    """The long row's attention is cut into chunks the threads share; the short row's is not
+    touched by that, nor the long row's by its neighbour."""
+    engine, prompts = long_engine
+    beside, _, _ = decode(engine, [1, 0], fused=True, prompts=prompts)
+    for i, slot in enumerate([1, 0]):
+        alone, _, _ = decode(engine, [slot], fused=True, prompts=prompts)
+        assert torch.equal(alone[:, 0], beside[:, i]), slot
+
+
+def test_both_vector_widths_give_the_same_bits(long_engine, monkeypatch):
+    """The AVX2 build (16 lanes in two 256-bit halves) and the AVX-512 one, where the CPU has
+    both: the same sums in the same order, so the same bits."""
+    if not cpu_kernels.report().isa.startswith("avx512"):
+        pytest.skip("the kernels here are 256-bit only")
+    _, narrow = cpu_kernels._try(kernel_build.TARGETS["native-avx2"])
+    assert narrow is not None and narrow.isa().startswith("avx2")
+    engine, prompts = long_engine
+    wide, k, v = decode(engine, [1, 0], fused=True, prompts=prompts)
+    model = engine.model
+    monkeypatch.setattr(cpu_kernels, "load", lambda: narrow)
+    stack, model.decode_stack = model.decode_stack, model._decode_stack()
+    try:
+        got, k2, v2 = decode(engine, [1, 0], fused=True, prompts=prompts)
+    finally:
+        model.decode_stack = stack
+    assert torch.equal(got, wide) and torch.equal(k2, k) and torch.equal(v2, v)

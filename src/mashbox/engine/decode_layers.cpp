@@ -1,7 +1,13 @@
 #include "cpu_kernels.h"
+#include "decode_math.h"
 
 #include <cmath>
 #include <vector>
+
+using decode_math::add_into;
+using decode_math::rms_norm;
+using decode_math::rope;
+using decode_math::silu_mul;
 
 // One whole decode step of a Llama-family decoder on the CPU with int8 or int4 weights:
 // every layer's norms, matmuls, RoPE, KV write, attention, SiLU and residuals in one call,
@@ -10,99 +16,6 @@
 // computed on its own, in the same order whatever the batch holds: a row's bits do not
 // depend on its neighbours. The float32 `Model.forward` in model.py is the reference it is
 // tested against.
-
-// e^x for 8 floats: Cephes' expf polynomial (about 1 ulp), for softmax and SiLU.
-static inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)),
-                    _mm256_set1_ps(88.3762626647949f));
-  __m256 n = _mm256_floor_ps(
-      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507E-3f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073E-3f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894E-2f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459E-1f));
-  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201E-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-
-// n is a multiple of 8 everywhere below (the Python side checks d_model and head_dim).
-static inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 s = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
-  return hsum8(s);
-}
-
-static void rms_norm(const float* x, const float* w, float* out, int64_t n, float eps) {
-  const float r = 1.0f / std::sqrt(dot(x, x, n) / n + eps);
-  const __m256 rv = _mm256_set1_ps(r);
-  for (int64_t i = 0; i < n; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), rv),
-                                            _mm256_loadu_ps(w + i)));
-}
-
-// Rotate-half RoPE of one head in place.
-static void rope(float* x, const float* cos, const float* sin, int64_t half) {
-  for (int64_t i = 0; i < half; ++i) {
-    const float x1 = x[i], x2 = x[i + half];
-    x[i] = x1 * cos[i] - x2 * sin[i];
-    x[i + half] = x2 * cos[i] + x1 * sin[i];
-  }
-}
-
-static void add_into(float* x, const float* y, int64_t n) {
-  for (int64_t i = 0; i < n; i += 8)
-    _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-}
-
-// out = silu(gate) * up, where gu holds [gate | up].
-static void silu_mul(const float* gu, float* out, int64_t n) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gu + i);
-    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(gu + n + i)));
-  }
-}
-
-// Softmax attention of one query head over the first n positions of one cache row.
-static void attend(const float* q, const float* k, const float* v, float* out, int64_t n,
-                   int64_t hd, float scale, float* scores) {
-  float m = -INFINITY;
-  for (int64_t t = 0; t < n; ++t) {
-    scores[t] = dot(q, k + t * hd, hd) * scale;
-    m = std::max(m, scores[t]);
-  }
-  const __m256 mv = _mm256_set1_ps(m);
-  __m256 sv = _mm256_setzero_ps();
-  int64_t t = 0;
-  for (; t + 8 <= n; t += 8) {
-    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mv));
-    _mm256_storeu_ps(scores + t, p);
-    sv = _mm256_add_ps(sv, p);
-  }
-  float sum = hsum8(sv);
-  for (; t < n; ++t) {  // the tail through the same polynomial: one definition of e^x
-    scores[t] = _mm256_cvtss_f32(exp8(_mm256_set1_ps(scores[t] - m)));
-    sum += scores[t];
-  }
-  for (int64_t i = 0; i < hd; i += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t u = 0; u < n; ++u)
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[u]), _mm256_loadu_ps(v + u * hd + i), acc);
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(acc, _mm256_set1_ps(1.0f / sum)));
-  }
-}
 
 // A decode matrix, told apart by its tensors' dtypes and shapes: int8 per output channel
 // (int8 packed weights, float32 scales [N]: int8_gemm.cpp), a GGUF's own Q4 or Q5 blocks
@@ -191,16 +104,16 @@ class DecodeStack {
                 cache_v.is_contiguous() && cache_k.size(4) == head_dim_);
     x = x.contiguous().clone();
     const int64_t B = x.size(0), D = x.size(1), hd = head_dim_, half = hd / 2;
-    const int64_t nh = n_heads_, nkv = n_kv_heads_, groups = nh / nkv;
+    const int64_t nh = n_heads_, nkv = n_kv_heads_;
     const int64_t n_slots = cache_k.size(1), ctx = cache_k.size(3);
     const int64_t row_stride = nkv * ctx * hd, layer_stride = n_slots * row_stride;
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* slot = slots.data_ptr<int64_t>();
-    int64_t longest = 0;
+    std::vector<int64_t> lengths(B);  // the positions each row attends over
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(pos[b] >= 0 && pos[b] < ctx && pos[b] < cos_.size(0) && slot[b] >= 0 &&
                   slot[b] < n_slots, "position or slot out of range");
-      longest = std::max(longest, pos[b] + 1);
+      lengths[b] = pos[b] + 1;
     }
     const int64_t n_qkv = layers_[0].wqkv.n(), ffn = layers_[0].down.k();
     std::vector<float> h(B * D), qkv(B * n_qkv), att(B * nh * hd), gu(B * 2 * ffn), act(B * ffn),
@@ -208,7 +121,8 @@ class DecodeStack {
     float* xs = x.data_ptr<float>();
     float* kc = cache_k.data_ptr<float>();
     float* vc = cache_v.data_ptr<float>();
-    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    decode_math::CacheAttention attention(nh, nkv, hd);
+    std::vector<const float*> k_rows(B), v_rows(B);
 
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& w = layers_[l];
@@ -220,8 +134,7 @@ class DecodeStack {
       const float* kn = data_or_null(w.k_norm);
       for (int64_t b = 0; b < B; ++b) {
         float* r = qkv.data() + b * n_qkv;
-        if (bias)
-          for (int64_t i = 0; i < n_qkv; ++i) r[i] += bias[i];
+        if (bias) add_into(r, bias, n_qkv);
         const float* c = cos_.data_ptr<float>() + pos[b] * half;
         const float* s = sin_.data_ptr<float>() + pos[b] * half;
         for (int64_t head = 0; head < nh + nkv; ++head) {  // q heads, then k heads
@@ -236,14 +149,12 @@ class DecodeStack {
           std::copy_n(r + (nh + nkv + kh) * hd, hd, vc + at);
         }
       }
-      parallel_chunks(B * nh, 1, [&](int64_t task) {
-        thread_local std::vector<float> scores;
-        scores.resize(std::max<size_t>(scores.size(), longest));
-        const int64_t b = task / nh, head = task % nh, kh = head / groups;
-        const int64_t at = l * layer_stride + slot[b] * row_stride + kh * ctx * hd;
-        attend(qkv.data() + b * n_qkv + head * hd, kc + at, vc + at,
-               att.data() + (b * nh + head) * hd, pos[b] + 1, hd, scale, scores.data());
-      });
+      for (int64_t b = 0; b < B; ++b) {
+        k_rows[b] = kc + l * layer_stride + slot[b] * row_stride;
+        v_rows[b] = vc + l * layer_stride + slot[b] * row_stride;
+      }
+      attention(B, qkv.data(), n_qkv, k_rows.data(), v_rows.data(), ctx * hd, lengths.data(),
+                att.data());
       w.wo(att.data(), y.data(), B);
       add_into(xs, y.data(), B * D);
       for (int64_t b = 0; b < B; ++b)

@@ -34,7 +34,10 @@ COMPILED = [
     for name in ("int8_gemm.cpp", "blocks_gemm.cpp", "rounded_gemm.cpp", "decode_layers.cpp")
 ]
 # What a build's record stands for: the code, and the packers and self-check that judged it.
-SOURCES = [*COMPILED, *(Path(__file__).with_name(n) for n in ("cpu_kernels.h", "cpu_kernels.py"))]
+SOURCES = [
+    *COMPILED,
+    *(Path(__file__).with_name(n) for n in ("cpu_kernels.h", "decode_math.h", "cpu_kernels.py")),
+]
 
 # What the kernels themselves need to run (/proc/cpuinfo names); the x86-64 levels' own sets.
 KERNEL_NEEDS = frozenset({"avx2", "fma", "f16c"})
