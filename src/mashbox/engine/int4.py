@@ -47,9 +47,11 @@ INT4_MAX_ROWS = 16  # up to this many rows (decode batches) use torch's int4 ker
 # and mashbox's block kernels, short prefill chunks too: on the AVX-512 host they beat
 # float32 sgemm at 24 rows (1.35x) and 48 (1.12x), not from ~96 (bench in docs/NOTES.md).
 BLOCKS_MAX_ROWS = 48
-# By what the Q4 blocks multiply: int16 activations beat sgemm by 1.55x at 64 rows and
-# 1.32x at 96 (par from 128), int8 by 1.4-3.6x up to 256 (docs/NOTES.md, 2026-12-01).
-Q4_MAX_ROWS = {"float": BLOCKS_MAX_ROWS, "int16": 96, "int8": 256}
+# By what the Q4 blocks multiply: int16 activations beat sgemm by 1.55x at 64 rows and 1.32x
+# at 96 on the AVX-512 Intel host (par at 128-256), by 2.8-4.8x up to 256 on the EPYC host
+# (MKL's sgemm is weaker there); int8 by 1.4-6x up to 256 on both (docs/NOTES.md,
+# 2026-12-01). 256 is a whole prefill chunk (--prefill-chunk's default).
+Q4_MAX_ROWS = {"float": BLOCKS_MAX_ROWS, "int16": 256, "int8": 256}
 
 
 def fits(blocks: list[RawBlocks | None]) -> bool:
