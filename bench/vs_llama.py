@@ -12,6 +12,11 @@ better.
     .venv/bin/python bench/vs_llama.py --server-args "--decode-weights float"
     .venv/bin/python bench/vs_llama.py --install-only   # just build llama-cpp-python
     .venv/bin/python bench/vs_llama.py --llama-server PATH/llama-server   # llama.cpp's own
+    .venv/bin/python bench/vs_llama.py --llama-server PATH --model qwen2.5-coder-0.5b-instruct
+
+After the table: issue 28's targets (vs_llama_targets.py), each ratio against its target,
+and the roofline: mashbox's 1-stream rate as a share of the machine's limit (measured read
+bandwidth over the bytes one decode step reads).
 
 llama-server is built from the llama.cpp sources in llama-cpp-python's sdist (docs/NOTES.md:
 `cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF` then `cmake --build build --target
@@ -35,6 +40,7 @@ from pathlib import Path
 import decode_http  # puts tests/ on sys.path for serverproc
 import httpx
 import trio
+import vs_llama_targets
 
 BENCH = Path(__file__).resolve().parent
 LLAMA_PACKAGE = "llama-cpp-python[server]"
@@ -100,6 +106,7 @@ END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "
 # llama-server on issue 13's machine, as the issue quotes it (pp512 for prefill).
 REFERENCE = {"1 stream": 86, "4 streams total": 109, "8 streams total": 135, "prefill": 243}
 SEA = ("north", "east", "south", "west", "north-east", "south-east", "south-west", "north-west")
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the REFERENCE row's and most targets' model
 TOKENS_PER_SENTENCE = 30  # of long_prompt's sentences in SmolLM2's tokenizer, measured
 
 
@@ -267,7 +274,9 @@ def measure_mashbox(args) -> dict:
     try:
         url = proc.wait_ready(900)
         print(f"mashbox at {url} ({' '.join(flags)} {args.server_args})", flush=True)
-        return measure(url, args, {})
+        card = httpx.get(url + "/v1/models").json()["data"][0]
+        # decode_gb is the engine's decode_bytes (the weights one step reads), in GB.
+        return {**measure(url, args, {}), "decode_bytes": round(card["decode_gb"] * 1e9)}
     finally:
         proc.stop()
 
@@ -277,7 +286,7 @@ def rows(args, base: dict, mash: dict) -> list[tuple]:
     out = []
     for n in args.streams:
         label = "1 stream" if n == 1 else f"{n} streams total"
-        ref = REFERENCE.get(label)
+        ref = REFERENCE.get(label) if args.model == DEFAULT_MODEL else None
         out.append((f"decode {label} tok/s", base[n]["total"], mash[n]["total"], ref))
         if n > 1:
             per = (base[n]["per_stream"], mash[n]["per_stream"])
@@ -286,7 +295,7 @@ def rows(args, base: dict, mash: dict) -> list[tuple]:
             out.append((f"{n} streams: last first token after first one, s", *wait, None))
     prefill = [r["prompt_tokens"] / r["ttft"] for r in (base, mash)]
     name = f"prefill tok/s, {base['prompt_tokens']}-token prompt (ref: pp512)"
-    out.append((name, *prefill, REFERENCE["prefill"]))
+    out.append((name, *prefill, REFERENCE["prefill"] if args.model == DEFAULT_MODEL else None))
     ttft = (base["ttft"], mash["ttft"])
     out.append((f"TTFT, {base['prompt_tokens']}-token prompt, s", *ttft, None))
     return out
@@ -329,7 +338,9 @@ def baseline_name(args) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="registry id")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="registry id (qwen2.5-coder-0.5b-instruct too)"
+    )
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=2000, help="of the TTFT prompt")
@@ -352,9 +363,16 @@ def main() -> None:
         return
     model = model_file(args.model)
     print(f"model file {model}; {args.tokens} tokens a stream; streams {args.streams}")
+    # Before the servers: the bandwidth is read on an otherwise idle machine.
+    bandwidth = vs_llama_targets.read_bandwidth(args.threads)
+    print(f"memory read bandwidth, {args.threads} threads: {bandwidth / 1e9:.1f} GB/s", flush=True)
     base = measure_llama(args, model)
     mash = measure_mashbox(args)
     print_table(args, base, mash)
+    vs_llama_targets.print_targets(args.model, baseline_name(args), base, mash)
+    if 1 in args.streams:
+        rates = {baseline_name(args): base[1]["total"], "mashbox": mash[1]["total"]}
+        vs_llama_targets.print_roofline(mash["decode_bytes"], bandwidth, rates)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""Issue 28's targets for vs_llama.py's run, and the roofline: the bytes one decode step
+reads over the machine's measured memory read bandwidth is the most tokens/s one stream can
+decode; mashbox's 1-stream rate is printed as a share of it.
+
+The bandwidth is a read of a buffer far larger than the caches, summed by torch on the
+benchmark's threads (the engine's own count), best of several: this process is the client,
+not the server, so torch may load here.
+"""
+
+from __future__ import annotations
+
+import time
+
+# (label, what it compares, target ratio); ratios above 1 favour mashbox, as in the table.
+SMOLLM2 = [("decode 1 stream", 1, 1.5), ("decode 8 streams total", 8, 3.0),
+           ("first token of the ~2k-token prompt", "ttft", 3.0)]  # fmt: skip
+TARGETS = {"smollm2-135m-instruct": SMOLLM2,
+           "qwen2.5-coder-0.5b-instruct": [("decode 1 stream", 1, 1.5)]}  # fmt: skip
+ROOFLINE_TARGET = 0.70  # of the bandwidth limit, at 1 stream
+
+
+def read_bandwidth(threads: int, mib: int = 2048, repeats: int = 7) -> float:
+    """Bytes/s the machine reads: the best of `repeats` sums over a `mib` MiB float32 buffer."""
+    import torch
+
+    torch.set_num_threads(threads)
+    buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    buf.sum()  # pages touched, threads started
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best
+
+
+def measured_ratio(key, base: dict, mash: dict) -> float | None:
+    if key == "ttft":
+        return base["ttft"] / mash["ttft"]
+    if key not in base or key not in mash:
+        return None  # that stream count was not run
+    return mash[key]["total"] / base[key]["total"]
+
+
+def print_targets(model: str, baseline: str, base: dict, mash: dict) -> None:
+    targets = TARGETS.get(model, SMOLLM2)
+    whose = model if model in TARGETS else f"smollm2-135m-instruct's (none for {model})"
+    print(f"\ntargets (issue 28, {whose}): mashbox against {baseline}, same GGUF, this run")
+    print("| target | measured ratio | target ratio | pass |\n|---|---|---|---|")
+    for label, key, target in targets:
+        got = measured_ratio(key, base, mash)
+        if got is None:
+            print(f"| {label} | not run | >= {target} | - |")
+            continue
+        print(f"| {label} | {got:.2f} | >= {target} | {'pass' if got >= target else 'FAIL'} |")
+
+
+def print_roofline(decode_bytes: int, bandwidth: float, rates: dict[str, float]) -> None:
+    """The limit at 1 stream (bandwidth / bytes a step), and each server's rate against it;
+    mashbox's rate is the one the target is for."""
+    limit = bandwidth / decode_bytes
+    print(f"\nroofline: one decode step reads {decode_bytes / 1e6:.1f} MB (the engine's "
+          f"decode_bytes); memory reads {bandwidth / 1e9:.1f} GB/s (best read here)")  # fmt: skip
+    print(f"  limit at 1 stream: {limit:.0f} tok/s")
+    for who, rate in rates.items():
+        print(f"  {who}: {rate:.1f} tok/s = {rate / limit:.0%} of it")
+    share = rates["mashbox"] / limit
+    verdict = "pass" if share >= ROOFLINE_TARGET else "FAIL"
+    print(f"  target: mashbox >= {ROOFLINE_TARGET:.0%} of the limit: {verdict}")
