@@ -20,6 +20,7 @@ from mashbox.engine.int4 import BLOCK_KINDS, Int4Weight, q4_k_scales, unpack
 from mashbox.engine.int8_weight import Int8Weight
 from mashbox.engine.weights import RawBlocks
 from mashbox.tiny import random_weights
+from support.decode_steps import decode, prefill
 from support.tinymodels import no_tokenizer, write_gguf
 
 LACKS = kernel_build.machine_lacks()  # anywhere else, no kernels fails the tests below
@@ -176,9 +177,6 @@ def test_without_mashbox_kernels_q4_k_stays_int8(monkeypatch):
 
 # ---- A whole model of Q4_K matrices, decoding through DecodeStack ---------------------------
 
-PROMPTS = {0: [5, 17, 3, 88, 42, 7, 19], 2: [9, 8, 7], 3: list(range(20, 60))}
-FED = [11, 23, 5, 70, 2]  # tokens fed to every slot, one a step
-
 
 @pytest.fixture(scope="module", params=["int4", "int4a16", "int4a8"])
 def engine(request, tmp_path_factory):
@@ -204,9 +202,7 @@ def engine(request, tmp_path_factory):
         )
     engine = Engine(path, slots=4, ctx=64, decode_weights=request.param)
     assert engine.model.decode_stack is not None and engine.model.decode_kind == request.param
-    with torch.inference_mode():
-        for slot, ids in PROMPTS.items():
-            engine.model.prefill(engine.cache, slot, 0, torch.tensor(ids))
+    prefill(engine)
     return engine
 
 
@@ -216,24 +212,6 @@ def test_every_layer_matrix_reads_the_files_q4_k_weights(engine):
             weight = layer[name]
             assert isinstance(weight, Int4Weight) and weight.dm.dtype == torch.float32, name
             assert torch.equal(weight.dequantized(), weight.w), name
-
-
-@torch.inference_mode()
-def decode(engine: Engine, slots: list[int], fused: bool) -> torch.Tensor:
-    """Hidden states of len(FED) decode steps of `slots` (the caches are left as they were)."""
-    model, cache = engine.model, engine.cache
-    saved = cache.k.clone(), cache.v.clone()
-    stack, model.decode_stack = model.decode_stack, model.decode_stack if fused else None
-    try:
-        hidden = []
-        for i, token in enumerate(FED):
-            positions = torch.tensor([len(PROMPTS[s]) + i for s in slots])
-            hidden.append(model.decode(cache, slots, torch.tensor([token] * len(slots)), positions))
-        return torch.stack(hidden)
-    finally:
-        model.decode_stack = stack
-        cache.k.copy_(saved[0])
-        cache.v.copy_(saved[1])
 
 
 def test_decode_stack_computes_what_the_torch_ops_compute(engine):

@@ -21,6 +21,7 @@ from mashbox.engine.int4 import Int4Weight, unpack
 from mashbox.engine.q8_weight import Q8Weight, int8_blocks
 from mashbox.engine.weights import RawBlocks
 from mashbox.tiny import random_weights
+from support.decode_steps import decode, prefill
 from support.tinymodels import no_tokenizer, write_gguf
 
 LACKS = kernel_build.machine_lacks()  # anywhere else, no kernels fails the tests below
@@ -166,8 +167,6 @@ def test_the_q6_k_quantizer_writes_what_gguf_reads():
     assert np.abs(reference(Q.Q6_K, raw).numpy() - x).max() < 0.1
 
 
-PROMPTS = {0: [5, 17, 3, 88, 42, 7, 19], 2: [9, 8, 7], 3: list(range(20, 60))}
-FED = [11, 23, 5, 70, 2]  # tokens fed to every slot, one a step
 QTYPES = {  # a layer as qwen2.5's Q4_K_M file has it, with Q5_1 for wo
     "attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "attn_output": Q.Q5_1,
     "ffn_gate": Q.Q5_0, "ffn_up": Q.Q5_0, "ffn_down": Q.Q6_K,
@@ -195,9 +194,7 @@ def engine(request, tmp_path_factory):
         )
     engine = Engine(path, slots=4, ctx=64, decode_weights=request.param)
     assert engine.model.decode_stack is not None
-    with torch.inference_mode():
-        for slot, ids in PROMPTS.items():
-            engine.model.prefill(engine.cache, slot, 0, torch.tensor(ids))
+    prefill(engine)
     return engine
 
 
@@ -209,24 +206,6 @@ def test_every_layer_matrix_reads_the_files_weights(engine):
             assert isinstance(layer[name], Int4Weight) and layer[name].qs.shape[-1] == 40, name
         for name in ("wqkv", "wo", "w_gate_up", "w_down"):
             assert torch.equal(layer[name].dequantized(), layer[name].w), name
-
-
-@torch.inference_mode()
-def decode(engine: Engine, slots: list[int], fused: bool) -> torch.Tensor:
-    """Hidden states of len(FED) decode steps of `slots` (the caches are left as they were)."""
-    model, cache = engine.model, engine.cache
-    saved = cache.k.clone(), cache.v.clone()
-    stack, model.decode_stack = model.decode_stack, model.decode_stack if fused else None
-    try:
-        hidden = []
-        for i, token in enumerate(FED):
-            positions = torch.tensor([len(PROMPTS[s]) + i for s in slots])
-            hidden.append(model.decode(cache, slots, torch.tensor([token] * len(slots)), positions))
-        return torch.stack(hidden)
-    finally:
-        model.decode_stack = stack
-        cache.k.copy_(saved[0])
-        cache.v.copy_(saved[1])
 
 
 def test_decode_stack_computes_what_the_torch_ops_compute(engine):
