@@ -12,13 +12,11 @@ from mashbox.engine import cpu_kernels, kernel_build
 from mashbox.engine.engine import Engine
 from mashbox.engine.int4 import Int4Weight
 from mashbox.engine.q8_weight import Q8Weight
+from support.decode_steps import PROMPTS, decode_with_caches, prefill
 from support.tinymodels import no_tokenizer, random_weights, write_gguf
 
 LACKS = kernel_build.machine_lacks()  # anywhere else, no kernels fails the tests below
 pytestmark = pytest.mark.skipif(LACKS is not None, reason=f"cannot build the kernels: {LACKS}")
-
-PROMPTS = {0: [5, 17, 3, 88, 42, 7, 19], 2: [9, 8, 7], 3: list(range(20, 60))}
-FED = [11, 23, 5, 70, 2]  # tokens fed to every slot, one a step
 
 
 Q = gguf.GGMLQuantizationType
@@ -65,35 +63,13 @@ def engine(request, tmp_path_factory):
         assert isinstance(engine.model.layers[0]["w_down"], weight_class)
     assert engine.model.decode_kind == {"int4-q8": "q8_0"}.get(kind, kind)
     assert (engine.model.layers[0]["q_norm"] is not None) == (arch == "qwen3")
-    with torch.inference_mode():
-        for slot, ids in PROMPTS.items():
-            engine.model.prefill(engine.cache, slot, 0, torch.tensor(ids))
+    prefill(engine)
     return engine
 
 
-@torch.inference_mode()
-def decode(engine: Engine, slots: list[int], fused: bool, prompts: dict = PROMPTS):
-    """Hidden states of len(FED) decode steps of `slots` from the prefilled caches, and the
-    caches after them (the engine's caches are left as they were)."""
-    model, cache = engine.model, engine.cache
-    saved = cache.k.clone(), cache.v.clone()
-    stack, model.decode_stack = model.decode_stack, model.decode_stack if fused else None
-    try:
-        hidden = []
-        for i, token in enumerate(FED):
-            positions = torch.tensor([len(prompts[s]) + i for s in slots])
-            ids = torch.tensor([token] * len(slots))
-            hidden.append(model.decode(cache, slots, ids, positions))
-        return torch.stack(hidden), cache.k.clone(), cache.v.clone()
-    finally:
-        model.decode_stack = stack
-        cache.k.copy_(saved[0])
-        cache.v.copy_(saved[1])
-
-
 def test_it_computes_what_the_torch_ops_compute(engine):
-    fused, k, v = decode(engine, [3, 0, 2], fused=True)
-    torch_ops, k_ref, v_ref = decode(engine, [3, 0, 2], fused=False)
+    fused, k, v = decode_with_caches(engine, [3, 0, 2], fused=True)
+    torch_ops, k_ref, v_ref = decode_with_caches(engine, [3, 0, 2], fused=False)
     torch.testing.assert_close(fused, torch_ops, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-4)
@@ -103,9 +79,9 @@ def test_it_computes_what_the_torch_ops_compute(engine):
 def test_a_row_has_the_same_bits_alone_and_in_any_batch(engine):
     """Seeded sampling sees the same logits whatever else is decoding (the float32 path
     cannot promise this: CPU sgemm rounds by batch size)."""
-    batch, _, _ = decode(engine, [2, 0, 3], fused=True)
+    batch, _, _ = decode_with_caches(engine, [2, 0, 3], fused=True)
     for i, slot in enumerate([2, 0, 3]):
-        alone, _, _ = decode(engine, [slot], fused=True)
+        alone, _, _ = decode_with_caches(engine, [slot], fused=True)
         assert torch.equal(alone[:, 0], batch[:, i]), slot
 
 
@@ -123,16 +99,14 @@ def long_engine(tmp_path_factory):
     engine = Engine(path, slots=2, ctx=LONG + 8, decode_weights="int8")
     assert engine.model.decode_stack is not None and engine.model.cfg.head_dim == 64
     prompts = {0: np.random.default_rng(8).integers(0, 97, LONG).tolist(), 1: PROMPTS[0]}
-    with torch.inference_mode():
-        for slot, ids in prompts.items():
-            engine.model.prefill(engine.cache, slot, 0, torch.tensor(ids))
+    prefill(engine, prompts)
     return engine, prompts
 
 
 def test_a_long_context_computes_what_the_torch_ops_compute(long_engine):
     engine, prompts = long_engine
-    fused, k, v = decode(engine, [0, 1], fused=True, prompts=prompts)
-    torch_ops, k_ref, v_ref = decode(engine, [0, 1], fused=False, prompts=prompts)
+    fused, k, v = decode_with_caches(engine, [0, 1], fused=True, prompts=prompts)
+    torch_ops, k_ref, v_ref = decode_with_caches(engine, [0, 1], fused=False, prompts=prompts)
     torch.testing.assert_close(fused, torch_ops, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-4)
@@ -142,9 +116,9 @@ def test_a_row_has_the_same_bits_alone_and_beside_a_longer_row(long_engine):
     """The long row's attention is cut into chunks the threads share; the short row's is not
     touched by that, nor the long row's by its neighbour."""
     engine, prompts = long_engine
-    beside, _, _ = decode(engine, [1, 0], fused=True, prompts=prompts)
+    beside, _, _ = decode_with_caches(engine, [1, 0], fused=True, prompts=prompts)
     for i, slot in enumerate([1, 0]):
-        alone, _, _ = decode(engine, [slot], fused=True, prompts=prompts)
+        alone, _, _ = decode_with_caches(engine, [slot], fused=True, prompts=prompts)
         assert torch.equal(alone[:, 0], beside[:, i]), slot
 
 
@@ -156,12 +130,12 @@ def test_both_vector_widths_give_the_same_bits(long_engine, monkeypatch):
     _, narrow = cpu_kernels._try(kernel_build.TARGETS["native-avx2"])
     assert narrow is not None and narrow.isa().startswith("avx2")
     engine, prompts = long_engine
-    wide, k, v = decode(engine, [1, 0], fused=True, prompts=prompts)
+    wide, k, v = decode_with_caches(engine, [1, 0], fused=True, prompts=prompts)
     model = engine.model
     monkeypatch.setattr(cpu_kernels, "load", lambda: narrow)
     stack, model.decode_stack = model.decode_stack, model._decode_stack()
     try:
-        got, k2, v2 = decode(engine, [1, 0], fused=True, prompts=prompts)
+        got, k2, v2 = decode_with_caches(engine, [1, 0], fused=True, prompts=prompts)
     finally:
         model.decode_stack = stack
     assert torch.equal(got, wide) and torch.equal(k2, k) and torch.equal(v2, v)
