@@ -26,22 +26,22 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:  # d, m, 16 bytes of nibbles
     return torch.cat([qs & 0x0F, qs >> 4], dim=1).float() * _f16(b, 0) + _f16(b, 2)
 
 
-def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
-    """The 32 high bits of a Q5 block (little-endian uint32) as 0/16 per weight."""
-    qh = qh.to(torch.int64)
-    word = qh[:, 0] | qh[:, 1] << 8 | qh[:, 2] << 16 | qh[:, 3] << 24
-    return ((word[:, None] >> torch.arange(32)) & 1) << 4
+def fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """A Q5_0 / Q5_1 block's 32 high bits (4 bytes, little-endian) as 0 or 16 per weight,
+    uint8 [..., 32]: bit j is weight j's."""
+    bits = (qh[..., :, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [..., 4, 8]
+    return bits.reshape(*qh.shape[:-1], 32) << 4
 
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:  # d, qh[4], 16 bytes of nibbles
     qs = b[:, 6:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=1).to(torch.int64) | _fifth_bits(b[:, 2:6])
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=1).to(torch.int64) | fifth_bits(b[:, 2:6])
     return (q.float() - 16.0) * _f16(b, 0)
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:  # d, m, qh[4], 16 bytes of nibbles
     qs = b[:, 8:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=1).to(torch.int64) | _fifth_bits(b[:, 4:8])
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=1).to(torch.int64) | fifth_bits(b[:, 4:8])
     return q.float() * _f16(b, 0) + _f16(b, 2)
 
 

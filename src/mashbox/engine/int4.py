@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType as Q
 from torch import Tensor
 
 from . import cpu_kernels
+from .dequant import fifth_bits
 from .weights import RawBlocks
 
 GROUP = 32  # the GGUF block: one kernel group
@@ -87,13 +88,6 @@ def unpack_q4_k(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     qs = b[..., 16:].reshape(n, -1, 4, 1, 32)
     q = torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(n, -1)
     return q, (d * sc.float()).reshape(n, -1), (-(dmin * mn.float())).reshape(n, -1)
-
-
-def fifth_bits(qh: Tensor) -> Tensor:
-    """A Q5_0 / Q5_1 block's 32 high bits (4 bytes, little-endian) as 0 or 16 per weight,
-    uint8 [..., 32]: bit j is weight j's."""
-    bits = (qh[..., :, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [..., 4, 8]
-    return bits.reshape(*qh.shape[:-1], 32) << 4
 
 
 def unpack_q5_k(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
