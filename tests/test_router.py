@@ -209,15 +209,15 @@ def test_openai_sdk_chat_whole_and_streamed_through_the_gateway(gateway):
 
 @needs_smg
 def test_openai_sdk_responses_whole_and_streamed_through_the_gateway(gateway):
-    """The gateway sends `top_k: -1` on this route: before it meant "off" here, a 400."""
+    """The gateway sends `top_k: -1` on this route: before it meant "off" here, a 400. Greedy,
+    so the tiny model cannot sample its end token before max_output_tokens runs out."""
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0)
-    whole = client.responses.create(model=MODEL, input="Hello there.", max_output_tokens=6)
+    ask = {"model": MODEL, "input": "Hello there.", "max_output_tokens": 6, "temperature": 0}
+    whole = client.responses.create(**ask)
     assert whole.status == "incomplete"  # max_output_tokens ran out
     assert whole.usage.output_tokens == 6
     assert whole.output_text
-    events = list(
-        client.responses.create(model=MODEL, input="Hello there.", max_output_tokens=6, stream=True)
-    )
+    events = list(client.responses.create(**ask, stream=True))
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created"
     assert kinds[-1] == "response.incomplete"
