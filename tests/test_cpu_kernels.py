@@ -152,7 +152,7 @@ def rounded_matmul(q, d, m, activations):
     """The kernel for `activations` on q, d, m, packed as it reads them."""
     qs, dm = cpu_kernels.pack_q4(q, d, m)
     if activations == "int8":
-        return lambda x: kernel.q4a8_linear(x, cpu_kernels.pack_q4a8(q), dm)
+        return lambda x: kernel.q4a8_linear(x, qs, dm)
     return lambda x: kernel.q4a16_linear(x, qs, dm)
 
 
@@ -192,12 +192,14 @@ def test_the_error_is_the_roundings_and_no_more(activations):
     assert not torch.equal(y, kernel.q4_linear(x, *cpu_kernels.pack_q4(q, d, m)))
 
 
-def test_pack_q4a8_round_trips_and_int4a8_weights_hold_the_files_weights():
+def test_pack_q4_round_trips_and_int4a8_weights_hold_the_files_weights():
     from mashbox.engine.int4 import Int4Weight
     from mashbox.engine.weights import RawBlocks
 
     q, d, m = q4_problem(96, 128, 3)
-    assert torch.equal(cpu_kernels.unpack_q4a8(cpu_kernels.pack_q4a8(q)), q)
+    assert torch.equal(cpu_kernels.unpack_q4(cpu_kernels.pack_q4(q, d, m)[0]), q)
+    five = torch.randint(0, 32, (96, 128), dtype=torch.uint8, generator=torch.Generator())
+    assert torch.equal(cpu_kernels.unpack_q4(cpu_kernels.pack_q5(five, d, m)[0]), five)
     # A Q4_1 block as GGUF stores it: d, m (fp16), then 16 bytes, byte j = q[j] | q[j + 16] << 4.
     nib = q.view(96, 4, 32)
     qbytes = nib[..., :16] | (nib[..., 16:] << 4)
@@ -207,7 +209,7 @@ def test_pack_q4a8_round_trips_and_int4a8_weights_hold_the_files_weights():
 
     w = q.float() * d.float().repeat_interleave(32, 1) + m.float().repeat_interleave(32, 1)
     weight = Int4Weight(w, [RawBlocks(Q.Q4_1, raw)], activations="int8")
-    assert weight.activations == "int8" and weight.qs.dim() == 4
+    assert weight.activations == "int8" and weight.qs.shape == (3, 16, 128)
     assert torch.equal(weight.dequantized(), w)
     x = torch.randn(3, 128)
     assert torch.equal(weight(x), kernel.q4a8_linear(x, weight.qs, weight.dm))

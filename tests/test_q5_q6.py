@@ -86,9 +86,9 @@ def test_q5_weights_read_exactly_and_each_row_alone_as_in_any_batch(qtype, activ
     raw = random_blocks(qtype, 96, 768, seed=3)
     ref = reference(qtype, raw)
     weight = Int4Weight(ref, [blocks_of(qtype, raw)], activations=activations)
-    assert weight.kernel is cpu_kernels.load() and weight.qs.shape == (3, 384, 40)
-    # No Q5 kernel takes int8 activations: those take int16, near float32.
-    assert weight.activations == ("int16" if activations == "int8" else activations)
+    assert weight.kernel is cpu_kernels.load() and weight.qs.shape == (3, 96, 160)
+    assert weight.activations == activations
+    assert torch.equal(cpu_kernels.unpack_q4(weight.qs), unpack(blocks_of(qtype, raw))[0])
     assert torch.equal(weight.dequantized(), ref)
     each_row_alone_as_in_any_batch(weight, 768)
 
@@ -100,7 +100,7 @@ def test_q5_and_q4_kernels_agree_where_the_fifth_bits_are_zero():
     q, d, m = unpack(blocks_of(Q.Q5_1, raw))
     as_q4_1 = np.concatenate([raw[..., 0:4], raw[..., 8:]], axis=-1)
     ref = reference(Q.Q5_1, raw)
-    for activations in ("float", "int16"):
+    for activations in ("float", "int16", "int8"):
         five = Int4Weight(ref, [blocks_of(Q.Q5_1, raw)], activations=activations)
         four = Int4Weight(ref, [RawBlocks(Q.Q4_1, torch.from_numpy(as_q4_1))],
                           activations=activations)  # fmt: skip
@@ -203,14 +203,14 @@ def test_every_layer_matrix_reads_the_files_weights(engine):
         assert isinstance(layer["wqkv"], Q8Weight) and layer["wqkv"].d.dtype == torch.float16
         assert isinstance(layer["w_down"], Q8Weight) and layer["w_down"].d.dtype == torch.float32
         for name in ("wo", "w_gate_up"):
-            assert isinstance(layer[name], Int4Weight) and layer[name].qs.shape[-1] == 40, name
+            assert isinstance(layer[name], Int4Weight) and layer[name].qs.shape[-1] == 160, name
         for name in ("wqkv", "wo", "w_gate_up", "w_down"):
             assert torch.equal(layer[name].dequantized(), layer[name].w), name
 
 
 def test_decode_stack_computes_what_the_torch_ops_compute(engine):
-    """The same weights and kernels (Q5 with int16 activations wherever the model rounds them,
-    int8 included), norms and attention in other code: float32 roundings apart."""
+    """The same weights and kernels, norms and attention in other code: float32 roundings
+    apart."""
     fused, torch_ops = decode(engine, [3, 0, 2], fused=True), decode(engine, [3, 0, 2], fused=False)
     torch.testing.assert_close(fused, torch_ops, rtol=1e-4, atol=1e-4)
 

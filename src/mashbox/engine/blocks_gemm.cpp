@@ -16,63 +16,58 @@
 // All give the file's weights exactly (x = identity reads them back bit for bit). Like
 // int8_gemm.cpp every output has one order of operations whatever M is, so a row's bits do
 // not depend on the batch. (The Q4 and Q5 blocks times activations rounded to integers,
-// q4a8, q4a16 and q5a16: rounded_gemm.cpp.)
+// q4a8, q4a16, q5a8 and q5a16: rounded_gemm.cpp.)
 //
-// Packed (pack_q4, pack_q5, pack_q8 in cpu_kernels.py) in tiles of 32 outputs: Q4
-// qs[N / 32][K / 2][32] bytes holding weights k (low nibble) and k + 1 (high) of an output and
-// dm[N / 32][K / 32][2][32] fp16 (or float32), each block's d then m; Q5 qs[N / 32][K / 2][40],
-// each pair's 32 bytes of nibbles then their 64 fifth bits (cpu_kernels.h); Q8
-// qs[N / 32][K][32] int8 and d[N / 32][K / G][32], G = 32 (fp16) or 16 (float32).
+// Packed (pack_q4, pack_q5, pack_q8 in cpu_kernels.py) in tiles of 32 outputs: Q4 and Q5
+// qs[N / 32][K / 8][128 or 160], a record per 8 weights (cpu_kernels.h: 4 bytes of nibbles an
+// output, then Q5's fifth bits), and dm[N / 32][K / 32][2][32] fp16 (or float32), each
+// block's d then m; Q8 qs[N / 32][K][32] int8 and d[N / 32][K / G][32], G = 32 (fp16) or 16
+// (float32).
 
 #define UNROLL _Pragma("GCC unroll 16")
 
 static constexpr int64_t TILE = TILE_LANES, BLOCK = 32;
 
-// V vectors of LANES outputs (vec_offset: V = 2 * VPT spans two tiles) for MB rows. PAIR:
-// Q4_PAIR, or Q5_PAIR with `fifth` the first vector's fifth bits in the first pair record.
-template <int V, int MB, typename S, int PAIR = Q4_PAIR>
-static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs,
-                            const uint8_t* fifth, const S* dm, float* y, int64_t n0, int64_t m0,
-                            int64_t K, int64_t N) {
-  const int64_t blocks = K / BLOCK, tile_qs = K / 2 * PAIR, tile_dm = blocks * 2 * TILE;
+// V vectors of LANES outputs for MB rows: vectors v0.. of the tile at qs (V = 2 * VPT spans
+// two tiles), whose scales start at dm; RECORD: Q4_RECORD or Q5_RECORD (cpu_kernels.h).
+template <int V, int MB, typename S, int RECORD>
+static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs, int v0,
+                            const S* dm, float* y, int64_t n0, int64_t m0, int64_t K, int64_t N) {
+  const int64_t blocks = K / BLOCK, tile_qs = K / 8 * RECORD, tile_dm = blocks * 2 * TILE;
   alignas(64) float out[MB][V * LANES] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     // The block's even and odd weights in separate sums (two FMA chains a vector instead of
-    // one), added at the block's end: the same order for every MB.
+    // one), each in k order, added at the block's end: the same order for every MB.
     vfloat even[MB][V], odd[MB][V];
     UNROLL for (int j = 0; j < MB; ++j)
       UNROLL for (int v = 0; v < V; ++v) even[j][v] = odd[j][v] = vzero();
-    for (int64_t kp = 0; kp < BLOCK / 2; ++kp) {
-      const int64_t k = b * BLOCK + 2 * kp;
-      // Weights k and k + 1 of V vectors, widened once for all MB rows. (The same sums in
-      // the same order either way; one row takes each vector's pair as it goes instead, to
-      // keep its accumulators in registers.)
-      auto weights = [&](int v, vfloat& w0, vfloat& w1) {
-        const vint q = widen_u8(qs + vec_offset(v, tile_qs) + (k / 2) * PAIR);
-        w0 = low_nibble_float(q);
-        w1 = high_nibble_float(q);
-        if constexpr (PAIR == Q5_PAIR) {
-          const uint32_t bits = load_fifth(fifth + fifth_offset(v, tile_qs) + (k / 2) * PAIR);
-          w0 = add_fifth(w0, bits, 0);
-          w1 = add_fifth(w1, bits, 1);
-        }
-      };
-      if constexpr (MB == 1) {
-        const vfloat x0 = vbroadcast(x + m0 * K + k), x1 = vbroadcast(x + m0 * K + k + 1);
-        UNROLL for (int v = 0; v < V; ++v) {
-          vfloat w0, w1;
-          weights(v, w0, w1);
-          even[0][v] = vfma(w0, x0, even[0][v]);
-          odd[0][v] = vfma(w1, x1, odd[0][v]);
-        }
-      } else {
-        vfloat w0[V], w1[V];
-        UNROLL for (int v = 0; v < V; ++v) weights(v, w0[v], w1[v]);
-        UNROLL for (int j = 0; j < MB; ++j) {
-          const vfloat x0 = vbroadcast(x + (m0 + j) * K + k);
-          UNROLL for (int v = 0; v < V; ++v) even[j][v] = vfma(w0[v], x0, even[j][v]);
-          const vfloat x1 = vbroadcast(x + (m0 + j) * K + k + 1);
-          UNROLL for (int v = 0; v < V; ++v) odd[j][v] = vfma(w1[v], x1, odd[j][v]);
+    UNROLL for (int group = 0; group < BLOCK / 8; ++group) {
+      const int64_t g = b * BLOCK / 8 + group;
+      vint low[V], high[V];
+      UNROLL for (int v = 0; v < V; ++v)
+        weight_bytes<RECORD>(qs, v0 + v, g, tile_qs, low[v], high[v]);
+      UNROLL for (int i = 0; i < 8; i += 2) {  // weights k and k + 1 of the group
+        const int64_t k = 8 * g + i;
+        // Widened once for all MB rows. (The same sums in the same order either way; one row
+        // takes each vector's weights as it goes instead, to keep its sums in registers.)
+        auto weight = [&](int v, int at) {
+          return byte_float(at < 4 ? low[v] : high[v], at % 4);
+        };
+        if constexpr (MB == 1) {
+          const vfloat x0 = vbroadcast(x + m0 * K + k), x1 = vbroadcast(x + m0 * K + k + 1);
+          UNROLL for (int v = 0; v < V; ++v) {
+            even[0][v] = vfma(weight(v, i), x0, even[0][v]);
+            odd[0][v] = vfma(weight(v, i + 1), x1, odd[0][v]);
+          }
+        } else {
+          vfloat w0[V], w1[V];
+          UNROLL for (int v = 0; v < V; ++v) w0[v] = weight(v, i), w1[v] = weight(v, i + 1);
+          UNROLL for (int j = 0; j < MB; ++j) {
+            const vfloat x0 = vbroadcast(x + (m0 + j) * K + k);
+            UNROLL for (int v = 0; v < V; ++v) even[j][v] = vfma(w0[v], x0, even[j][v]);
+            const vfloat x1 = vbroadcast(x + (m0 + j) * K + k + 1);
+            UNROLL for (int v = 0; v < V; ++v) odd[j][v] = vfma(w1[v], x1, odd[j][v]);
+          }
         }
       }
     }
@@ -92,17 +87,16 @@ static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs
   store_rows<V, MB>(out, y, n0, m0, N);
 }
 
-// q4_block over tile t's vectors from v0 on, rows m.. (their nibbles, fifth bits and scales).
-template <int V, int MB, typename S, int PAIR>
+// q4_block over tile t's vectors from v0 on, rows m.. (their records and scales).
+template <int V, int MB, typename S, int RECORD>
 static inline void q4_tile(const float* x, const float* xs, const uint8_t* qs, const S* dm,
                            float* y, int64_t t, int v0, int64_t m, int64_t K, int64_t N) {
-  const uint8_t* q = qs + t * (K / 2 * PAIR);
-  q4_block<V, MB, S, PAIR>(x, xs, q + v0 * LANES, q + FIFTH_AT + v0 * LANES / 4,
-                           dm + t * (K / BLOCK * 2 * TILE) + v0 * LANES, y, t * TILE + v0 * LANES,
-                           m, K, N);
+  q4_block<V, MB, S, RECORD>(x, xs, qs + t * (K / 8 * RECORD), v0,
+                             dm + t * (K / BLOCK * 2 * TILE) + v0 * LANES, y,
+                             t * TILE + v0 * LANES, m, K, N);
 }
 
-template <typename S, int PAIR>
+template <typename S, int RECORD>
 static void q4_gemm_of(const float* x, const uint8_t* qs, const S* dm, float* y, int64_t M,
                        int64_t K, int64_t N) {
   const int64_t blocks = K / BLOCK, tiles = N / TILE;
@@ -116,40 +110,40 @@ static void q4_gemm_of(const float* x, const uint8_t* qs, const S* dm, float* y,
   const float* xs = xsum.data();
   over_tiles(
       M, tiles,
-      [&](int64_t t) { q4_tile<2 * VPT, 1, S, PAIR>(x, xs, qs, dm, y, t, 0, 0, K, N); },
-      [&](int64_t t) { q4_tile<VPT, 1, S, PAIR>(x, xs, qs, dm, y, t, 0, 0, K, N); },
+      [&](int64_t t) { q4_tile<2 * VPT, 1, S, RECORD>(x, xs, qs, dm, y, t, 0, 0, K, N); },
+      [&](int64_t t) { q4_tile<VPT, 1, S, RECORD>(x, xs, qs, dm, y, t, 0, 0, K, N); },
       [&](int64_t t) {
         int64_t m = 0;
         if constexpr (ACCUMULATORS >= 16)  // 8 rows x a whole tile: weights widened once
           for (; M - m >= 8; m += 8)
             for (int v0 = 0; v0 < VPT; ++v0)
-              q4_tile<1, 8, S, PAIR>(x, xs, qs, dm, y, t, v0, m, K, N);
+              q4_tile<1, 8, S, RECORD>(x, xs, qs, dm, y, t, v0, m, K, N);
         for (; M - m >= 4; m += 4)
           for (int v0 = 0; v0 < VPT; v0 += 2)
-            q4_tile<2, 4, S, PAIR>(x, xs, qs, dm, y, t, v0, m, K, N);
-        for (; M - m >= 2; m += 2) q4_tile<VPT, 2, S, PAIR>(x, xs, qs, dm, y, t, 0, m, K, N);
-        if (M - m == 1) q4_tile<VPT, 1, S, PAIR>(x, xs, qs, dm, y, t, 0, m, K, N);
+            q4_tile<2, 4, S, RECORD>(x, xs, qs, dm, y, t, v0, m, K, N);
+        for (; M - m >= 2; m += 2) q4_tile<VPT, 2, S, RECORD>(x, xs, qs, dm, y, t, 0, m, K, N);
+        if (M - m == 1) q4_tile<VPT, 1, S, RECORD>(x, xs, qs, dm, y, t, 0, m, K, N);
       });
 }
 
 void q4_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
              int64_t K, int64_t N) {
-  q4_gemm_of<uint16_t, Q4_PAIR>(x, qs, dm, y, M, K, N);
+  q4_gemm_of<uint16_t, Q4_RECORD>(x, qs, dm, y, M, K, N);
 }
 
 void q4_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M, int64_t K,
              int64_t N) {
-  q4_gemm_of<float, Q4_PAIR>(x, qs, dm, y, M, K, N);
+  q4_gemm_of<float, Q4_RECORD>(x, qs, dm, y, M, K, N);
 }
 
 void q5_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
              int64_t K, int64_t N) {
-  q4_gemm_of<uint16_t, Q5_PAIR>(x, qs, dm, y, M, K, N);
+  q4_gemm_of<uint16_t, Q5_RECORD>(x, qs, dm, y, M, K, N);
 }
 
 void q5_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M, int64_t K,
              int64_t N) {
-  q4_gemm_of<float, Q5_PAIR>(x, qs, dm, y, M, K, N);
+  q4_gemm_of<float, Q5_RECORD>(x, qs, dm, y, M, K, N);
 }
 
 // ---- Q8_0 -------------------------------------------------------------------------------
@@ -164,6 +158,11 @@ static inline void q8_block(const float* x, const int8_t* qs, const S* ds, float
     vfloat in[MB][V];
     UNROLL for (int j = 0; j < MB; ++j)
       UNROLL for (int v = 0; v < V; ++v) in[j][v] = vzero();
+    UNROLL for (int v = 0; v < V; v += VPT)  // each tile's group (G * 32 bytes), ahead
+      for (int line = 0; line < G * TILE; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(qs + vec_offset(v, tile_qs) + b * G * TILE +
+                                                   line + PREFETCH_AHEAD),
+                     _MM_HINT_T0);
     for (int64_t k = b * G; k < (b + 1) * G; ++k) {
       vfloat xk[MB];
       UNROLL for (int j = 0; j < MB; ++j) xk[j] = vbroadcast(x + (m0 + j) * K + k);
@@ -224,28 +223,24 @@ using Q4Gemm = void (*)(const float*, const uint8_t*, const S*, float*, int64_t,
 struct Q4Kernels {
   Q4Gemm<uint16_t> q4_half;
   Q4Gemm<float> q4_single;
-  Q4Gemm<uint16_t> q5_half;  // null where there is no Q5 kernel (q4a8)
+  Q4Gemm<uint16_t> q5_half;
   Q4Gemm<float> q5_single;
 };
 
 // y = x . W^T by one of the Q4 or Q5 kernels, after checking qs and dm are what it reads:
-// pack_q4's qs [N / 32][K / 2][32], pack_q5's [N / 32][K / 2][40] or (a8) pack_q4a8's
-// [N / 32][K / 8][32][4]; dm pack_q4's, fp16 or float32.
-static torch::Tensor q4_call(const Q4Kernels& kernels, bool a8, torch::Tensor x, torch::Tensor qs,
+// pack_q4's qs [N / 32][K / 8][128] or pack_q5's [N / 32][K / 8][160]; dm pack_q4's, fp16 or
+// float32.
+static torch::Tensor q4_call(const Q4Kernels& kernels, torch::Tensor x, torch::Tensor qs,
                              torch::Tensor dm) {
   TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kByte &&
               (dm.dtype() == torch::kHalf || dm.dtype() == torch::kFloat));
   TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && dm.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE;
-  const bool q5 = !a8 && qs.dim() == 3 && qs.size(2) == Q5_PAIR;
-  TORCH_CHECK(!q5 || kernels.q5_half, "no Q5 kernel with these activations");
-  const bool layout = a8 ? qs.dim() == 4 && qs.size(1) * 8 == K && qs.size(2) == TILE &&
-                               qs.size(3) == 4
-                         : qs.dim() == 3 && qs.size(1) * 2 == K &&
-                               (qs.size(2) == Q4_PAIR || qs.size(2) == Q5_PAIR);
-  TORCH_CHECK(K % BLOCK == 0 && layout && dm.dim() == 4 && dm.size(0) == qs.size(0) &&
-              dm.size(1) * BLOCK == K,
-              "qs/dm must be packed by ", a8 ? "pack_q4a8" : "pack_q4 or pack_q5", " for K = ", K);
+  const bool q5 = qs.dim() == 3 && qs.size(2) == Q5_RECORD;
+  TORCH_CHECK(K % BLOCK == 0 && qs.dim() == 3 && qs.size(1) * 8 == K &&
+                  (qs.size(2) == Q4_RECORD || q5) && dm.dim() == 4 &&
+                  dm.size(0) == qs.size(0) && dm.size(1) * BLOCK == K,
+              "qs/dm must be packed by pack_q4 or pack_q5 for K = ", K);
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* q = qs.data_ptr<uint8_t>();
@@ -260,15 +255,15 @@ static torch::Tensor q4_call(const Q4Kernels& kernels, bool a8, torch::Tensor x,
 }
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
-  return q4_call({q4_gemm, q4_gemm, q5_gemm, q5_gemm}, false, x, qs, dm);
+  return q4_call({q4_gemm, q4_gemm, q5_gemm, q5_gemm}, x, qs, dm);
 }
 
 torch::Tensor q4a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
-  return q4_call({q4a16_gemm, q4a16_gemm, q5a16_gemm, q5a16_gemm}, false, x, qs, dm);
+  return q4_call({q4a16_gemm, q4a16_gemm, q5a16_gemm, q5a16_gemm}, x, qs, dm);
 }
 
 torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
-  return q4_call({q4a8_gemm, q4a8_gemm, nullptr, nullptr}, true, x, qs, dm);
+  return q4_call({q4a8_gemm, q4a8_gemm, q5a8_gemm, q5a8_gemm}, x, qs, dm);
 }
 
 // Q8 blocks: int8 qs [N / 32][K][32] and d [N / 32][K / 32][32] fp16 (Q8_0's) or

@@ -28,9 +28,6 @@ static inline vfloat vload(const float* p) { return _mm512_load_ps(p); }  // 64-
 static inline vfloat vloadu(const float* p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float* p, vfloat v) { _mm512_store_ps(p, v); }
 static inline void vstoreu(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
-static inline vint widen_u8(const uint8_t* p) {  // LANES bytes to int32 lanes
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 static inline vint widen_i8(const int8_t* p) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -38,25 +35,26 @@ static inline vfloat to_float(vint q) { return _mm512_cvtepi32_ps(q); }
 static inline vfloat from_half(const uint16_t* p) {  // LANES fp16 values
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-// The low and high nibbles of bytes widened to int32 lanes, as floats: a 16-entry table
-// lookup (vpermps reads an index's low 4 bits) instead of a mask and a conversion.
-static inline vfloat low_nibble_float(vint q) {
-  const vfloat table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  return _mm512_permutexvar_ps(q, table);
+// Byte j (0..3) of each int32 lane, a weight in 0..31, as a float: a 32-entry table
+// lookup (vpermt2ps reads an index's low 5 bits) instead of a mask and a conversion.
+static inline vfloat byte_float(vint q, int j) {
+  const vfloat low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vfloat high = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29,
+                                     30, 31);
+  return _mm512_permutex2var_ps(low, j ? _mm512_srli_epi32(q, 8 * j) : q, high);
 }
-static inline vfloat high_nibble_float(vint q) {
-  return low_nibble_float(_mm512_srli_epi32(q, 4));
-}
-// Int8 dot products (q4a8): 4 bytes a lane. dot4 adds u[4i..4i+3] . s[4i..4i+3] (unsigned
-// times signed bytes) to lane i, exactly (vpdpbusd).
+// Int8 dot products: 4 bytes a lane. dot4 adds u[4i..4i+3] . s[4i..4i+3] (unsigned times
+// signed bytes) to lane i, exactly (vpdpbusd).
 static inline vint vload_bytes(const uint8_t* p) { return _mm512_loadu_si512(p); }
 static inline vint vzero_int() { return _mm512_setzero_si512(); }
 static inline vint low_nibbles(vint v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
 static inline vint high_nibbles(vint v) {
   return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
 }
-static inline vint broadcast4(const int8_t* p) {
-  return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+static inline vint broadcast4(const void* p) {
+  int32_t four;
+  std::memcpy(&four, p, sizeof four);
+  return _mm512_set1_epi32(four);
 }
 static inline vint dot4(vint acc, vint u, vint s) {
 #if defined(__AVX512VNNI__)
@@ -66,40 +64,15 @@ static inline vint dot4(vint acc, vint u, vint s) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
 #endif
 }
-// Int16 dot products (q4a16): 2 words a lane. dot2 adds a[2i] * b[2i] + a[2i+1] * b[2i+1]
-// to lane i, exactly (vpdpwssd, or vpmaddwd and an add: the same sum).
-static inline vint dot2(vint acc, vint a, vint b) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, a, b);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
-#endif
+static inline vint shift_add(vint high, int bits, vint low) {  // (high << bits) + low
+  return _mm512_add_epi32(_mm512_slli_epi32(high, bits), low);
 }
-static inline vint broadcast2(const int16_t* p) {
-  return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
-}
-// LANES bytes of pack_q4 (weights k and k + 1 of an output, low nibble first) as lanes of two
-// int16 words, k's then k + 1's: (b | b << 12) & 0x000F000F in one ternary op.
-static inline vint nibble_words(const uint8_t* p) {
-  const vint b = widen_u8(p);
-  return _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000F000F),
-                                   0xA8);  // (A | B) & C
-}
-// Q5 blocks' fifth bits (pack_q5): 2 * LANES bits a pair of weights k, k + 1 of LANES
-// outputs, output i's at bits 2i (k) and 2i + 1 (k + 1). add_fifth adds 16 to weight k's
-// (parity 0) or k + 1's (parity 1) float lanes whose bit is set; add_fifth_words to the words
-// of nibble_words.
-static inline uint32_t load_fifth(const uint8_t* p) {
-  uint32_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return bits;
-}
-static inline vfloat add_fifth(vfloat w, uint32_t bits, int parity) {
-  const __mmask16 on = _pext_u32(bits, parity ? 0xAAAAAAAAu : 0x55555555u);
-  return _mm512_mask_add_ps(w, on, w, _mm512_set1_ps(16.0f));
-}
-static inline vint add_fifth_words(vint w, uint32_t bits) {
-  return _mm512_mask_add_epi16(w, bits, w, _mm512_set1_epi16(16));
+// Q5's fifth bits (pack_q5): one a byte of weights, bit i for byte i. Adds 16 to each byte
+// whose bit is set (a masked byte add).
+static inline vint add_fifth(vint w, const uint8_t* bits) {
+  uint64_t mask;
+  std::memcpy(&mask, bits, sizeof mask);
+  return _mm512_mask_add_epi8(w, mask, w, _mm512_set1_epi8(16));
 }
 #else
 constexpr int LANES = 8;
@@ -114,9 +87,6 @@ static inline vfloat vload(const float* p) { return _mm256_load_ps(p); }  // 32-
 static inline vfloat vloadu(const float* p) { return _mm256_loadu_ps(p); }
 static inline void vstore(float* p, vfloat v) { _mm256_store_ps(p, v); }
 static inline void vstoreu(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
-static inline vint widen_u8(const uint8_t* p) {
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
 static inline vint widen_i8(const int8_t* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
@@ -124,10 +94,10 @@ static inline vfloat to_float(vint q) { return _mm256_cvtepi32_ps(q); }
 static inline vfloat from_half(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-static inline vfloat low_nibble_float(vint q) {
-  return to_float(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)));
+static inline vfloat byte_float(vint q, int j) {
+  const vint shifted = j ? _mm256_srli_epi32(q, 8 * j) : q;
+  return to_float(j == 3 ? shifted : _mm256_and_si256(shifted, _mm256_set1_epi32(0xFF)));
 }
-static inline vfloat high_nibble_float(vint q) { return to_float(_mm256_srli_epi32(q, 4)); }
 static inline vint vload_bytes(const uint8_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
@@ -136,11 +106,13 @@ static inline vint low_nibbles(vint v) { return _mm256_and_si256(v, _mm256_set1_
 static inline vint high_nibbles(vint v) {
   return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
 }
-static inline vint broadcast4(const int8_t* p) {
-  return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+static inline vint broadcast4(const void* p) {
+  int32_t four;
+  std::memcpy(&four, p, sizeof four);
+  return _mm256_set1_epi32(four);
 }
-// Without AVX-VNNI: byte pairs to int16 (no saturation here: 2 * 15 * 127 < 2^15), then
-// pairs of those to int32; the same exact sums.
+// Without AVX-VNNI: byte pairs to int16 (no saturation with these operands: 2 * 255 * 31 <
+// 2^15), then pairs of those to int32; the same exact sums.
 static inline vint dot4(vint acc, vint u, vint s) {
 #if defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(acc, u, s);
@@ -149,54 +121,53 @@ static inline vint dot4(vint acc, vint u, vint s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
 }
-static inline vint dot2(vint acc, vint a, vint b) {
-#if defined(__AVXVNNI__)
-  return _mm256_dpwssd_avx_epi32(acc, a, b);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
+static inline vint shift_add(vint high, int bits, vint low) {
+  return _mm256_add_epi32(_mm256_slli_epi32(high, bits), low);
 }
-static inline vint broadcast2(const int16_t* p) {
-  return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p));
-}
-static inline vint nibble_words(const uint8_t* p) {
-  const vint b = widen_u8(p);
-  return _mm256_and_si256(_mm256_or_si256(b, _mm256_slli_epi32(b, 12)),
-                          _mm256_set1_epi32(0x000F000F));
-}
-static inline uint32_t load_fifth(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return bits;
-}
-// No mask registers: each lane tests its own bit (and, compare), then adds 16 where set.
-static inline vfloat add_fifth(vfloat w, uint32_t bits, int parity) {
-  const __m256i bit = parity ? _mm256_setr_epi32(2, 8, 32, 128, 512, 2048, 8192, 32768)
-                             : _mm256_setr_epi32(1, 4, 16, 64, 256, 1024, 4096, 16384);
-  const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits), bit), bit);
-  return _mm256_add_ps(w, _mm256_and_ps(_mm256_castsi256_ps(on), _mm256_set1_ps(16.0f)));
-}
-static inline vint add_fifth_words(vint w, uint32_t bits) {
-  const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
-                                        8192, 16384, -32768);
-  const __m256i b = _mm256_set1_epi16(static_cast<int16_t>(bits));
-  const __m256i on = _mm256_cmpeq_epi16(_mm256_and_si256(b, bit), bit);
-  return _mm256_add_epi16(w, _mm256_and_si256(on, _mm256_set1_epi16(16)));
+// No mask registers: each byte picks its bit's byte (shuffle), tests its bit (and, compare),
+// then adds 16 where set.
+static inline vint add_fifth(vint w, const uint8_t* bits) {
+  const __m256i picked = _mm256_shuffle_epi8(
+      broadcast4(bits), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
+                                         2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  const __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(picked, bit), bit);
+  return _mm256_add_epi8(w, _mm256_and_si256(on, _mm256_set1_epi8(16)));
 }
 #endif
 constexpr int TILE_LANES = 32;            // outputs per packed tile (cpu_kernels.TILE)
 constexpr int VPT = TILE_LANES / LANES;  // vectors per tile: 4 (AVX2) or 2 (AVX-512)
-// Bytes a packed pair of weights k, k + 1 of a tile's 32 outputs takes: their nibbles (Q4),
-// then the fifth bits (Q5: pack_q5), which start at byte FIFTH_AT.
-constexpr int Q4_PAIR = TILE_LANES, Q5_PAIR = TILE_LANES + TILE_LANES / 4, FIFTH_AT = TILE_LANES;
-// Where vector v's fifth bits lie in a pair record, from the record's FIFTH_AT.
-static inline int64_t fifth_offset(int v, int64_t tile_stride) {
-  return (v / VPT) * tile_stride + (v % VPT) * LANES / 4;
-}
 // The vectors of a kernel block lie in consecutive tiles: vector v at tile v / VPT, lanes
 // from (v % VPT) * LANES.
 static inline int64_t vec_offset(int v, int64_t tile_stride) {
   return (v / VPT) * tile_stride + (v % VPT) * LANES;
+}
+// Packed 4- and 5-bit weights (pack_q4, pack_q5): per tile of 32 outputs and group of 8
+// weights k..k+7, a record of 4 bytes an output, byte j holding weights k + j (low nibble)
+// and k + 4 + j (high), so one int32 lane holds 4 consecutive weights of its output; Q5 then
+// 32 bytes of fifth bits: 128 for the low nibbles (bit 4o + j for output o's byte j), then
+// 128 for the high ones.
+constexpr int Q4_RECORD = 4 * TILE_LANES, Q5_RECORD = Q4_RECORD + TILE_LANES;
+// How far ahead of its loads a kernel asks for weights: the hardware prefetcher alone left one
+// row's Q4 kernels at ~60% of a core's read bandwidth on the EPYC host (1024-1536 bytes
+// measured best there: bench/q4_kernels.py --rows 1).
+constexpr int PREFETCH_AHEAD = 1024;
+// Vector v's 8 weights a lane in the records of group g: weights k..k+3 (a byte each, in
+// 0..31) in `low`, k+4..k+7 in `high`. tile_qs: the bytes of a tile's records.
+template <int RECORD>
+static inline void weight_bytes(const uint8_t* qs, int v, int64_t g, int64_t tile_qs, vint& low,
+                                vint& high) {
+  const uint8_t* record = qs + (v / VPT) * tile_qs + g * RECORD;
+  _mm_prefetch(reinterpret_cast<const char*>(record + (v % VPT) * LANES * 4 + PREFETCH_AHEAD),
+               _MM_HINT_T0);
+  const vint w = vload_bytes(record + (v % VPT) * LANES * 4);
+  low = low_nibbles(w);
+  high = high_nibbles(w);
+  if constexpr (RECORD == Q5_RECORD) {
+    const uint8_t* bits = record + Q4_RECORD + (v % VPT) * LANES / 2;
+    low = add_fifth(low, bits);
+    high = add_fifth(high, bits + TILE_LANES / 2);
+  }
 }
 // Accumulators a register file holds with room to spare: 16 ymm (AVX2) or 32 zmm.
 constexpr int ACCUMULATORS = LANES == 16 ? 16 : 8;
@@ -259,25 +230,28 @@ void q4_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64
 void q8_gemm(const float* x, const int8_t* qs, const uint16_t* d, float* y, int64_t M,
              int64_t K, int64_t N);
 
-// Q4 blocks with activations rounded to int8 per block of 32 (x ~ xq * dx, as llama.cpp's
-// Q8_1), exact integer dot products: qs packed by pack_q4a8, dm as pack_q4's.
+// The Q4 blocks with activations rounded per block of 32 to int8 (x ~ xq * dx, as llama.cpp's
+// Q8_1) or int16 (dx = max|x| / 32767: ~256x finer, near float32), exact integer dot
+// products (rounded_gemm.cpp); the same packing as q4_gemm's.
 void q4a8_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
                int64_t K, int64_t N);
 void q4a8_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
                int64_t K, int64_t N);
-// The same with int16 activations per block (dx = max|x| / 32767: ~256x finer than int8,
-// near float32) and pack_q4's layout: q4_gemm's weights, integer dot products.
 void q4a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
                 int64_t K, int64_t N);
 void q4a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
                 int64_t K, int64_t N);
 
 // Q5 blocks (Q5_0, Q5_1, Q5_K's groups of 32): q4's nibbles and a fifth bit per weight,
-// qs packed by pack_q5 [N / 32][K / 2][40]; w = q * d + m with q in 0..31.
+// packed by pack_q5; w = q * d + m with q in 0..31.
 void q5_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
              int64_t K, int64_t N);
 void q5_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M, int64_t K,
              int64_t N);
+void q5a8_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
+               int64_t K, int64_t N);
+void q5a8_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
+               int64_t K, int64_t N);
 void q5a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
                 int64_t K, int64_t N);
 void q5a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,

@@ -5,13 +5,12 @@
   one reads them (packed by `pack_int8`) once per call at up to ~20 GB/s, keeps activations
   in float32 (closer to the float path) and sums every output in one order, so a row's bits
   do not depend on the batch.
-- `blocks_gemm.cpp`: the same with a GGUF file's own Q4_0/Q4_1 and Q8_0 blocks read as
-  stored (packed by `pack_q4` / `pack_q8`): the file's weights exactly; Q4_K's too, as groups
-  of 32 with float32 d and m (int4.py).
-- `rounded_gemm.cpp`: `q4a16` / `q4a8`, the Q4 blocks (`q4a8` packed by `pack_q4a8`) with
+- `blocks_gemm.cpp`: the same with a GGUF file's own Q4_0/Q4_1/Q5_0/Q5_1 and Q8_0 blocks read
+  as stored (packed by `pack_q4`, `pack_q5` / `pack_q8`): the file's weights exactly; the
+  K-quants' too, as groups of 32 with float32 d and m (int4.py) or of 16 (Q6_K).
+- `rounded_gemm.cpp`: `q4a16` / `q4a8` (and `q5a16` / `q5a8`), the same Q4 and Q5 blocks with
   activations rounded per block of 32 to int16 / int8 (llama.cpp's rounding), for exact
-  integer dot products (VNNI where there is): ~1.2-1.7x / ~1.8-2.4x the float32-activation
-  kernel.
+  integer dot products (int8 ones, VNNI where there is: int16 activations as two bytes).
 - `decode_layers.cpp`: `DecodeStack`, a whole decode step (every layer) in one call, with
   no torch op dispatch per norm, RoPE or residual.
 
@@ -230,7 +229,6 @@ def _check_cases(module, n: int, g: torch.Generator) -> list[tuple]:
     m4 = (-ints(0, 3, (n, blocks)) / 2).half()
     w4 = q4.double() * per_block(d4) + per_block(m4)
     qs4, dm4 = pack_q4(q4, d4, m4)
-    qs4a8 = pack_q4a8(q4)
     # float32 d and m (Q4_K's d * sc and -dmin * mn), kept small enough to stay exact
     d4k = d4.float() * ints(1, 4, (n, blocks))
     m4k = m4.float() * ints(1, 4, (n, blocks))
@@ -252,14 +250,16 @@ def _check_cases(module, n: int, g: torch.Generator) -> list[tuple]:
         ("int8_linear", lambda x: module.int8_linear(x, packed8, scale), w8, float_x),
         ("q4_linear", lambda x: module.q4_linear(x, qs4, dm4), w4, float_x),
         ("q4a16_linear", lambda x: module.q4a16_linear(x, qs4, dm4), w4, x16),
-        ("q4a8_linear", lambda x: module.q4a8_linear(x, qs4a8, dm4), w4, x8),
+        ("q4a8_linear", lambda x: module.q4a8_linear(x, qs4, dm4), w4, x8),
         ("q4_linear (float32 d, m)", lambda x: module.q4_linear(x, qs4, dm4k), w4k, float_x),
         ("q4a16_linear (float32 d, m)", lambda x: module.q4a16_linear(x, qs4, dm4k), w4k, x16),
-        ("q4a8_linear (float32 d, m)", lambda x: module.q4a8_linear(x, qs4a8, dm4k), w4k, x8),
+        ("q4a8_linear (float32 d, m)", lambda x: module.q4a8_linear(x, qs4, dm4k), w4k, x8),
         ("q5_linear", lambda x: module.q4_linear(x, qs5, dm4), w5, float_x),
         ("q5a16_linear", lambda x: module.q4a16_linear(x, qs5, dm4), w5, x16),
+        ("q5a8_linear", lambda x: module.q4a8_linear(x, qs5, dm4), w5, x8),
         ("q5_linear (float32 d, m)", lambda x: module.q4_linear(x, qs5, dm4k), w5k, float_x),
         ("q5a16_linear (float32 d, m)", lambda x: module.q4a16_linear(x, qs5, dm4k), w5k, x16),
+        ("q5a8_linear (float32 d, m)", lambda x: module.q4a8_linear(x, qs5, dm4k), w5k, x8),
         ("q8_linear", lambda x: module.q8_linear(x, qs8, ds8), w_q8, float_x),
         ("q8_linear (groups of 16)", lambda x: module.q8_linear(x, qs16, ds16), w16, float_x),
     ]
@@ -279,44 +279,43 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A GGUF matrix's 4-bit blocks as q4_gemm (blocks_gemm.cpp) reads them: q uint8 [N, K]
-    in 0..15 and fp16 (or float32: Q4_K's) d, m [N, K / 32] (w = q * d + m) -> qs uint8
-    [N / 32, K / 2, 32] (weights k and k + 1 of an output in one byte, low nibble first) and
-    dm [N / 32, K / 32, 2, 32] in d's dtype."""
+    """A GGUF matrix's 4-bit blocks as the Q4 kernels (blocks_gemm.cpp, rounded_gemm.cpp)
+    read them: q uint8 [N, K] in 0..15 and fp16 (or float32: Q4_K's) d, m [N, K / 32]
+    (w = q * d + m) -> qs uint8 [N / 32, K / 8, 128], per 32 outputs and 8 weights a record
+    of 4 bytes an output, byte j holding weights j (low nibble) and j + 4 (high), so one
+    32-bit lane holds 4 consecutive weights for an int8 dot product; and dm
+    [N / 32, K / 32, 2, 32] in d's dtype."""
     n, k = q.shape
-    tiles = q.view(n // TILE, TILE, k).transpose(1, 2)  # [N / 32, K, 32]
-    qs = (tiles[:, 0::2] | (tiles[:, 1::2] << 4)).contiguous()
+    eights = q.view(n // TILE, TILE, k // 8, 8)
+    qs = (eights[..., :4] | (eights[..., 4:] << 4)).permute(0, 2, 1, 3)
     dm = torch.stack([d, m], dim=-1).view(n // TILE, TILE, k // 32, 2)
-    return qs, dm.permute(0, 2, 3, 1).contiguous()
+    return qs.reshape(n // TILE, k // 8, 4 * TILE), dm.permute(0, 2, 3, 1).contiguous()
 
 
 def pack_q5(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """5-bit blocks (q uint8 [N, K] in 0..31; d, m as pack_q4's) as q5_gemm reads them: qs
-    uint8 [N / 32, K / 2, 40], each pair of weights k, k + 1 of a tile's 32 outputs as pack_q4's
-    32 bytes of low nibbles, then their 64 fifth bits, output o's at bits 2o (k) and 2o + 1
-    (k + 1), little-endian; dm as pack_q4's."""
+    """5-bit blocks (q uint8 [N, K] in 0..31; d, m as pack_q4's) as the Q5 kernels read them:
+    qs uint8 [N / 32, K / 8, 160], each record pack_q4's 128 bytes of low nibbles, then their
+    fifth bits, little-endian: 128 bits for the low nibbles (bit 4o + j: output o's byte j),
+    then 128 for the high ones; dm as pack_q4's."""
     n, k = q.shape
     nibbles, dm = pack_q4(q & 0x0F, d, m)
-    high = (q >> 4).view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3)  # [N/32, K/2, 32, 2]
+    fifth = (q >> 4).view(n // TILE, TILE, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [.., 2, 32, 4]
     weights = 1 << torch.arange(8, dtype=torch.int32)
-    bits = (high.reshape(n // TILE, k // 2, 8, 8).to(torch.int32) * weights).sum(-1)
-    return torch.cat([nibbles, bits.to(torch.uint8)], dim=-1).contiguous(), dm
+    bits = (fifth.reshape(n // TILE, k // 8, 32, 8).to(torch.int32) * weights).sum(-1)
+    return torch.cat([nibbles, bits.to(torch.uint8)], dim=-1), dm
 
 
-def pack_q4a8(q: torch.Tensor) -> torch.Tensor:
-    """4-bit weights q uint8 [N, K] in 0..15 as q4a8_gemm reads them: [N / 32, K / 8, 32, 4],
-    for each 8 weights of an output 4 bytes, byte j holding weights j (low nibble) and j + 4
-    (high), so one 32-bit lane holds 4 consecutive weights for an int8 dot product."""
-    n, k = q.shape
-    eights = q.view(n // TILE, TILE, k // 8, 8)
-    return (eights[..., :4] | (eights[..., 4:] << 4)).permute(0, 2, 1, 3).contiguous()
-
-
-def unpack_q4a8(qs: torch.Tensor) -> torch.Tensor:
-    """pack_q4a8's inverse: q uint8 [N, K]."""
-    t = qs.permute(0, 2, 1, 3)  # [N / 32, 32, K / 8, 4]
-    q = torch.cat([t & 0x0F, t >> 4], dim=-1)
-    return q.reshape(qs.shape[0] * TILE, -1)
+def unpack_q4(qs: torch.Tensor) -> torch.Tensor:
+    """pack_q4's (or pack_q5's) qs back to q uint8 [N, K]."""
+    tiles, groups, record = qs.shape
+    nibbles = qs[..., : 4 * TILE].reshape(tiles, groups, TILE, 4)
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # [.., 32, 8]
+    if record > 4 * TILE:
+        bits = qs[..., 4 * TILE :].reshape(tiles, groups, 2, TILE // 2, 1)
+        fifth = (bits >> torch.arange(8, dtype=torch.uint8)) & 1  # [.., 2, 16, 8]
+        fifth = fifth.reshape(tiles, groups, 2, TILE, 4)  # [.., low/high, output, j]
+        q = q | (torch.cat([fifth[:, :, 0], fifth[:, :, 1]], dim=-1) << 4)
+    return q.permute(0, 2, 1, 3).reshape(tiles * TILE, groups * 8)
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

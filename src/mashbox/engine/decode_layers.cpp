@@ -19,18 +19,17 @@ using decode_math::silu_mul;
 
 // A decode matrix, told apart by its tensors' dtypes and shapes: int8 per output channel
 // (int8 packed weights, float32 scales [N]: int8_gemm.cpp), a GGUF's own Q4 or Q5 blocks
-// (uint8 qs, [.., 32] for Q4, [.., 40] for Q5, 4-dim for Q4 with int8 activations; fp16 d
-// and m, or float32 for the K-quants' groups of 32) or Q8 blocks (int8 qs; fp16 d per 32, or
-// float32 per 16: Q6_K's): blocks_gemm.cpp and rounded_gemm.cpp.
+// (uint8 qs [.., 128] for Q4, [.., 160] for Q5; fp16 d and m, or float32 for the K-quants'
+// groups of 32) or Q8 blocks (int8 qs; fp16 d per 32, or float32 per 16: Q6_K's):
+// blocks_gemm.cpp and rounded_gemm.cpp.
 struct Mat {
   torch::Tensor a, b;
-  int64_t q4_activation_bits = 32;  // what Q4 blocks multiply: float32, int16 or int8 x
+  int64_t q4_activation_bits = 32;  // what Q4 and Q5 blocks multiply: float32, int16 or int8 x
   bool q4() const { return a.scalar_type() == torch::kByte; }  // Q5 too
   bool int8() const { return !q4() && b.dim() == 1; }
-  bool q4a8() const { return q4() && a.dim() == 4; }  // pack_q4a8's [N/32][K/8][32][4]
-  bool q5() const { return q4() && a.dim() == 3 && a.size(2) == Q5_PAIR; }
+  bool q5() const { return q4() && a.size(2) == Q5_RECORD; }
   int64_t n() const { return int8() ? b.size(0) : a.size(0) * 32; }
-  int64_t k() const { return q4a8() ? a.size(1) * 8 : q4() ? a.size(1) * 2 : a.size(1); }
+  int64_t k() const { return q4() ? a.size(1) * 8 : a.size(1); }
   void operator()(const float* x, float* y, int64_t rows) const {
     if (int8()) {
       int8_gemm(x, a.data_ptr<int8_t>(), b.data_ptr<float>(), y, rows, k(), n());
@@ -51,17 +50,12 @@ struct Mat {
   }
   template <typename S>  // fp16 (uint16_t) or float32 d and m
   void run_q4(const float* x, const S* scales, float* y, int64_t rows) const {
-    const uint8_t* q = a.data_ptr<uint8_t>();
-    if (q5() && q4_activation_bits < 32)  // int16 whenever Q4 rounds activations: no q5a8
-      q5a16_gemm(x, q, scales, y, rows, k(), n());
-    else if (q5())
-      q5_gemm(x, q, scales, y, rows, k(), n());
-    else if (q4a8())
-      q4a8_gemm(x, q, scales, y, rows, k(), n());
-    else if (q4_activation_bits == 16)
-      q4a16_gemm(x, q, scales, y, rows, k(), n());
-    else
-      q4_gemm(x, q, scales, y, rows, k(), n());
+    using Gemm = void (*)(const float*, const uint8_t*, const S*, float*, int64_t, int64_t,
+                          int64_t);
+    Gemm four = q4_gemm, five = q5_gemm;
+    if (q4_activation_bits == 8) four = q4a8_gemm, five = q5a8_gemm;
+    if (q4_activation_bits == 16) four = q4a16_gemm, five = q5a16_gemm;
+    (q5() ? five : four)(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n());
   }
 };
 
@@ -78,13 +72,14 @@ class DecodeStack {
  public:
   // Each layer: attn_norm, wqkv (2 tensors), bqkv, q_norm, k_norm, wo (2), ffn_norm,
   // gate_up (2), down (2), each matrix int8, Q4 or Q8_0 (Mat); empty tensors where absent.
-  // q4_activation_bits: 16 for Q4 matrices in pack_q4's layout to take int16 activations.
+  // q4_activation_bits: what the Q4 and Q5 matrices multiply (32: float32, 16, 8).
   DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, torch::Tensor final_norm,
               torch::Tensor cos, torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
               int64_t head_dim, double eps, int64_t q4_activation_bits)
       : final_norm_(final_norm), cos_(cos), sin_(sin), n_heads_(n_heads),
         n_kv_heads_(n_kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)) {
     TORCH_CHECK(head_dim % 8 == 0 && cos.size(1) * 2 == head_dim);
+    TORCH_CHECK(q4_activation_bits == 8 || q4_activation_bits == 16 || q4_activation_bits == 32);
     const int64_t bits = q4_activation_bits;
     for (const auto& t : layers) {
       TORCH_CHECK(t.size() == 13, "13 tensors a layer");

@@ -161,14 +161,9 @@ class Int4Weight:
         self.dtype = dtype
         self.kernel = cpu_kernels.load() if ours and q.shape[0] % cpu_kernels.TILE == 0 else None
         self.activations = activations if self.kernel is not None else "float"
-        five = any(b.qtype in Q5_QTYPES for b in blocks)
-        if five and self.activations == "int8":
-            self.activations = "int16"  # no Q5 kernel takes int8 activations (q5a8)
         if self.kernel is not None:
-            pack = cpu_kernels.pack_q5 if five else cpu_kernels.pack_q4
-            self.qs, self.dm = pack(q, d, m)
-            if self.activations == "int8":
-                self.qs = cpu_kernels.pack_q4a8(q)
+            five = any(b.qtype in Q5_QTYPES for b in blocks)
+            self.qs, self.dm = (cpu_kernels.pack_q5 if five else cpu_kernels.pack_q4)(q, d, m)
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             # [K / 32, N, 2]: the kernel's layout; w = (q - 8) * d + (m + 8 d).
@@ -212,11 +207,7 @@ class Int4Weight:
         """The weights the kernel multiplies by, [N, K] (x = identity): float32 from ours,
         self.dtype from torch's."""
         k = self.w.shape[1]
-        if self.activations == "int8":  # from the packed tensors (x = identity would round)
-            dm = self.dm.permute(0, 3, 1, 2).reshape(-1, k // GROUP, 2).float()
-            q = cpu_kernels.unpack_q4a8(self.qs).float().view(-1, k // GROUP, GROUP)
-            return (q * dm[..., :1] + dm[..., 1:]).reshape(-1, k)
-        if self.kernel is not None:
+        if self.kernel is not None:  # every kind packs alike: read by float32 x = identity
             return self.kernel.q4_linear(torch.eye(k), self.qs, self.dm).T
         eye = torch.eye(k, dtype=self.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
