@@ -210,9 +210,11 @@ def test_every_layer_matrix_reads_the_files_weights(engine):
 
 def test_decode_stack_computes_what_the_torch_ops_compute(engine):
     """The same weights and kernels, norms and attention in other code: float32 roundings
-    apart."""
+    apart. With int8 activations such a rounding can move an activation across a rounding
+    boundary, by dx = max|x| / 127 (here 0.003-0.005 in one row's hidden state)."""
     fused, torch_ops = decode(engine, [3, 0, 2], fused=True), decode(engine, [3, 0, 2], fused=False)
-    torch.testing.assert_close(fused, torch_ops, rtol=1e-4, atol=1e-4)
+    apart = 1e-2 if engine.model.decode_kind == "int4a8" else 1e-4
+    torch.testing.assert_close(fused, torch_ops, rtol=1e-4, atol=apart)
 
 
 def test_a_row_has_the_same_bits_alone_and_in_any_batch(engine):

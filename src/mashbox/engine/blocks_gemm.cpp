@@ -148,6 +148,11 @@ void q5_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64
 
 // ---- Q8_0 -------------------------------------------------------------------------------
 
+// Where vector v's weights k, k + 1 lie in pack_q8's pairs (tile_qs: a tile's bytes).
+static inline int64_t pair_offset(int v, int64_t k, int64_t tile_qs) {
+  return (v / VPT) * tile_qs + k / 2 * 2 * TILE + (v % VPT) * LANES * 2;
+}
+
 // G: the weights a scale covers (32, fp16 d; or 16, float32), S its type.
 template <int V, int MB, int G, typename S>
 static inline void q8_block(const float* x, const int8_t* qs, const S* ds, float* y, int64_t n0,
@@ -160,15 +165,19 @@ static inline void q8_block(const float* x, const int8_t* qs, const S* ds, float
       UNROLL for (int v = 0; v < V; ++v) in[j][v] = vzero();
     UNROLL for (int v = 0; v < V; v += VPT)  // each tile's group (G * 32 bytes), ahead
       for (int line = 0; line < G * TILE; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(qs + vec_offset(v, tile_qs) + b * G * TILE +
-                                                   line + PREFETCH_AHEAD),
+        _mm_prefetch(reinterpret_cast<const char*>(qs + pair_offset(v, b * G, tile_qs) + line +
+                                                   PREFETCH_AHEAD),
                      _MM_HINT_T0);
-    for (int64_t k = b * G; k < (b + 1) * G; ++k) {
-      vfloat xk[MB];
-      UNROLL for (int j = 0; j < MB; ++j) xk[j] = vbroadcast(x + (m0 + j) * K + k);
-      UNROLL for (int v = 0; v < V; ++v) {
-        const vfloat w = to_float(widen_i8(qs + vec_offset(v, tile_qs) + k * TILE));
-        UNROLL for (int j = 0; j < MB; ++j) in[j][v] = vfma(w, xk[j], in[j][v]);
+    for (int64_t k = b * G; k < (b + 1) * G; k += 2) {
+      vfloat x0[MB], x1[MB];
+      UNROLL for (int j = 0; j < MB; ++j) {
+        x0[j] = vbroadcast(x + (m0 + j) * K + k);
+        x1[j] = vbroadcast(x + (m0 + j) * K + k + 1);
+      }
+      UNROLL for (int v = 0; v < V; ++v) {  // one sum a lane, in k order
+        const vint pairs = widen_pairs(qs + pair_offset(v, k, tile_qs));
+        const vfloat w0 = low_word_float(pairs), w1 = high_word_float(pairs);
+        UNROLL for (int j = 0; j < MB; ++j) in[j][v] = vfma(w1, x1[j], vfma(w0, x0[j], in[j][v]));
       }
     }
     UNROLL for (int v = 0; v < V; ++v) {
@@ -200,8 +209,8 @@ static void q8_gemm_of(const float* x, const int8_t* qs, const S* ds, float* y, 
           for (; M - m >= 8; m += 8) q8_block<VPT, 8, G>(x, q, s, y, t * TILE, m, K, N);
         for (; M - m >= 4; m += 4)
           for (int v0 = 0; v0 < VPT; v0 += 2)
-            q8_block<2, 4, G>(x, q + v0 * LANES, s + v0 * LANES, y, t * TILE + v0 * LANES, m, K,
-                              N);
+            q8_block<2, 4, G>(x, q + v0 * LANES * 2, s + v0 * LANES, y, t * TILE + v0 * LANES, m,
+                              K, N);
         for (; M - m >= 1; ++m) q8_block<VPT, 1, G>(x, q, s, y, t * TILE, m, K, N);
       });
 }
@@ -266,24 +275,36 @@ torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
   return q4_call({q4a8_gemm, q4a8_gemm, q5a8_gemm, q5a8_gemm}, x, qs, dm);
 }
 
-// Q8 blocks: int8 qs [N / 32][K][32] and d [N / 32][K / 32][32] fp16 (Q8_0's) or
-// [N / 32][K / 16][32] float32 (groups of 16: Q6_K's d * sc).
-torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
+// Q8 blocks: int8 qs [N / 32][K / 2][64] (pack_q8) and d [N / 32][K / 32][32] fp16 (Q8_0's) or
+// [N / 32][K / 16][32] float32 (groups of 16: Q6_K's d * sc); float32 activations, or
+// (int16) rounded per block of 32.
+static torch::Tensor q8_call(bool int16, torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
   const bool sixteen = d.dtype() == torch::kFloat;
   TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kChar &&
               (sixteen || d.dtype() == torch::kHalf));
   TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && d.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE, G = sixteen ? 16 : BLOCK;
-  TORCH_CHECK(K % BLOCK == 0 && qs.dim() == 3 && qs.size(1) == K && qs.size(2) == TILE &&
+  TORCH_CHECK(K % BLOCK == 0 && qs.dim() == 3 && qs.size(1) * 2 == K && qs.size(2) == 2 * TILE &&
               d.dim() == 3 && d.size(0) == qs.size(0) && d.size(1) * G == K,
               "qs/d must be packed by pack_q8 for K = ", K);
   auto y = torch::empty({M, N}, x.options());
-  if (sixteen)
-    q8_gemm(x.data_ptr<float>(), qs.data_ptr<int8_t>(), d.data_ptr<float>(), y.data_ptr<float>(),
-            M, K, N);
-  else
-    q8_gemm(x.data_ptr<float>(), qs.data_ptr<int8_t>(),
-            reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), y.data_ptr<float>(), M, K,
-            N);
+  const float* xp = x.data_ptr<float>();
+  const int8_t* q = qs.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+  if (sixteen) {
+    const float* ds = d.data_ptr<float>();
+    int16 ? q8a16_gemm(xp, q, ds, yp, M, K, N) : q8_gemm(xp, q, ds, yp, M, K, N);
+  } else {
+    const auto* ds = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+    int16 ? q8a16_gemm(xp, q, ds, yp, M, K, N) : q8_gemm(xp, q, ds, yp, M, K, N);
+  }
   return y;
+}
+
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
+  return q8_call(false, x, qs, d);
+}
+
+torch::Tensor q8a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
+  return q8_call(true, x, qs, d);
 }

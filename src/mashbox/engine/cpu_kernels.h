@@ -67,6 +67,20 @@ static inline vint dot4(vint acc, vint u, vint s) {
 static inline vint shift_add(vint high, int bits, vint low) {  // (high << bits) + low
   return _mm512_add_epi32(_mm512_slli_epi32(high, bits), low);
 }
+// Int16 dot products (Q8 blocks with int16 activations): dot2 adds a[2i] * b[2i] +
+// a[2i + 1] * b[2i + 1] to lane i, exactly (vpdpwssd, or vpmaddwd and an add).
+static inline vint dot2(vint acc, vint a, vint b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+// 2 * LANES int8 weights (pack_q8: weights k and k + 1 of LANES outputs) as LANES lanes of
+// two int16 words, k's then k + 1's.
+static inline vint widen_pairs(const int8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 // Q5's fifth bits (pack_q5): one a byte of weights, bit i for byte i. Adds 16 to each byte
 // whose bit is set (a masked byte add).
 static inline vint add_fifth(vint w, const uint8_t* bits) {
@@ -124,6 +138,16 @@ static inline vint dot4(vint acc, vint u, vint s) {
 static inline vint shift_add(vint high, int bits, vint low) {
   return _mm256_add_epi32(_mm256_slli_epi32(high, bits), low);
 }
+static inline vint dot2(vint acc, vint a, vint b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+static inline vint widen_pairs(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 // No mask registers: each byte picks its bit's byte (shuffle), tests its bit (and, compare),
 // then adds 16 where set.
 static inline vint add_fifth(vint w, const uint8_t* bits) {
@@ -169,6 +193,23 @@ static inline void weight_bytes(const uint8_t* qs, int v, int64_t g, int64_t til
     high = add_fifth(high, bits + TILE_LANES / 2);
   }
 }
+// Lanes of widen_pairs as floats: the low words (weight k) and the high ones (k + 1).
+static inline vfloat low_word_float(vint pairs) {
+#if defined(__AVX512F__)
+  return to_float(_mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16));
+#else
+  return to_float(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16));
+#endif
+}
+static inline vfloat high_word_float(vint pairs) {
+#if defined(__AVX512F__)
+  return to_float(_mm512_srai_epi32(pairs, 16));
+#else
+  return to_float(_mm256_srai_epi32(pairs, 16));
+#endif
+}
+static inline vint broadcast2(const int16_t* p) { return broadcast4(p); }  // xq[k], xq[k + 1]
+
 // Accumulators a register file holds with room to spare: 16 ymm (AVX2) or 32 zmm.
 constexpr int ACCUMULATORS = LANES == 16 ? 16 : 8;
 
@@ -259,8 +300,14 @@ void q5a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, in
 // Q8 blocks of 16 with float32 scales (Q6_K's: d * sc, exact): d [N / 32][K / 16][32].
 void q8_gemm(const float* x, const int8_t* qs, const float* d, float* y, int64_t M, int64_t K,
              int64_t N);
+// The Q8 blocks with activations rounded to int16 per block of 32 (rounded_gemm.cpp).
+void q8a16_gemm(const float* x, const int8_t* qs, const uint16_t* d, float* y, int64_t M,
+                int64_t K, int64_t N);
+void q8a16_gemm(const float* x, const int8_t* qs, const float* d, float* y, int64_t M, int64_t K,
+                int64_t N);
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
+torch::Tensor q8a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
 torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
 torch::Tensor q4a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);

@@ -240,8 +240,11 @@ def _check_cases(module, n: int, g: torch.Generator) -> list[tuple]:
     w5k = q5.double() * per_block(d4k) + per_block(m4k)
     d8 = (2.0 ** -ints(7, 9, (n, blocks))).half()
     d16 = (2.0 ** -ints(7, 9, (n, 2 * blocks))) * ints(1, 4, (n, 2 * blocks))
-    qs16, ds16 = pack_q8(q8, d16)
-    w16 = q8.double() * d16.double().repeat_interleave(16, 1)
+    # Q6_K's q - 32 (-32..31): with int16 x, wider weights would make even the float64
+    # product of 4 groups' scaled sums round (any kernel, float32 x included)
+    q6 = ints(-32, 32, (n, k), torch.int8)
+    qs16, ds16 = pack_q8(q6, d16)
+    w16 = q6.double() * d16.double().repeat_interleave(16, 1)
     qs8, ds8 = pack_q8(q8, d8)
     packed8, w8 = pack_int8(q8), q8.double() / 128
     w_q8 = q8.double() * per_block(d8)
@@ -262,6 +265,8 @@ def _check_cases(module, n: int, g: torch.Generator) -> list[tuple]:
         ("q5a8_linear (float32 d, m)", lambda x: module.q4a8_linear(x, qs5, dm4k), w5k, x8),
         ("q8_linear", lambda x: module.q8_linear(x, qs8, ds8), w_q8, float_x),
         ("q8_linear (groups of 16)", lambda x: module.q8_linear(x, qs16, ds16), w16, float_x),
+        ("q8a16_linear", lambda x: module.q8a16_linear(x, qs8, ds8), w_q8, x16),
+        ("q8a16_linear (groups of 16)", lambda x: module.q8a16_linear(x, qs16, ds16), w16, x16),
     ]
 
 
@@ -319,9 +324,11 @@ def unpack_q4(qs: torch.Tensor) -> torch.Tensor:
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A GGUF matrix's Q8_0 blocks as q8_gemm reads them: q int8 [N, K] and fp16 d
-    [N, K / 32] (w = q * d) -> qs int8 [N / 32, K, 32] and d fp16 [N / 32, K / 32, 32]; or
-    float32 d [N, K / 16] (groups of 16: Q6_K's) -> [N / 32, K / 16, 32]."""
+    """A GGUF matrix's Q8_0 blocks as the Q8 kernels read them: q int8 [N, K] and fp16 d
+    [N, K / 32] (w = q * d) -> qs int8 [N / 32, K / 2, 64], per 32 outputs and pair of
+    weights k, k + 1 two bytes an output (one 32-bit lane of two int16 words once widened),
+    and d fp16 [N / 32, K / 32, 32]; or float32 d [N, K / 16] (groups of 16: Q6_K's) ->
+    [N / 32, K / 16, 32]."""
     n, k = q.shape
-    qs = q.view(n // TILE, TILE, k).transpose(1, 2).contiguous()
+    qs = q.view(n // TILE, TILE, k // 2, 2).transpose(1, 2).reshape(n // TILE, k // 2, 2 * TILE)
     return qs, d.view(n // TILE, TILE, d.shape[1]).transpose(1, 2).contiguous()

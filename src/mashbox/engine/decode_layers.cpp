@@ -29,7 +29,7 @@ struct Mat {
   bool int8() const { return !q4() && b.dim() == 1; }
   bool q5() const { return q4() && a.size(2) == Q5_RECORD; }
   int64_t n() const { return int8() ? b.size(0) : a.size(0) * 32; }
-  int64_t k() const { return q4() ? a.size(1) * 8 : a.size(1); }
+  int64_t k() const { return q4() ? a.size(1) * 8 : int8() ? a.size(1) : a.size(1) * 2; }
   void operator()(const float* x, float* y, int64_t rows) const {
     if (int8()) {
       int8_gemm(x, a.data_ptr<int8_t>(), b.data_ptr<float>(), y, rows, k(), n());
@@ -39,12 +39,19 @@ struct Mat {
       if (q4())
         run_q4(x, b.data_ptr<float>(), y, rows);
       else
-        q8_gemm(x, a.data_ptr<int8_t>(), b.data_ptr<float>(), y, rows, k(), n());
+        run_q8(x, b.data_ptr<float>(), y, rows);
       return;
     }
     const auto* scales = reinterpret_cast<const uint16_t*>(b.data_ptr<at::Half>());
     if (q4())
       run_q4(x, scales, y, rows);
+    else
+      run_q8(x, scales, y, rows);
+  }
+  template <typename S>  // Q8 blocks take int16 activations whenever Q4 rounds them
+  void run_q8(const float* x, const S* scales, float* y, int64_t rows) const {
+    if (q4_activation_bits < 32)
+      q8a16_gemm(x, a.data_ptr<int8_t>(), scales, y, rows, k(), n());
     else
       q8_gemm(x, a.data_ptr<int8_t>(), scales, y, rows, k(), n());
   }
@@ -190,6 +197,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = x . (q * scale)^T, q packed by pack_int8");
   m.def("q4_linear", &q4_linear, "y = x . W^T, W a GGUF's 4-bit blocks packed by pack_q4");
   m.def("q8_linear", &q8_linear, "y = x . W^T, W a GGUF's Q8_0 blocks packed by pack_q8");
+  m.def("q8a16_linear", &q8a16_linear, "q8_linear with x rounded to int16 per block of 32");
   m.def("q4a8_linear", &q4a8_linear, "q4_linear with x rounded to int8 per block of 32");
   m.def("q4a16_linear", &q4a16_linear, "q4_linear with x rounded to int16 per block of 32");
   // module_local: a process may load several builds (a failed self-check, then the next

@@ -42,11 +42,12 @@ class DecodeWeight(Protocol):
 def decode_weight_for(w: Tensor, blocks: list[RawBlocks | None], kind: str) -> DecodeWeight:
     """int4: the file's own 4-bit (or, on mashbox's kernels, Q8_0) blocks where every part
     has them, int8 otherwise; int4a16 / int4a8: the same, the 4-bit blocks taking int16 /
-    int8 activations."""
-    if kind in int4.BLOCK_KINDS and int4.fits(blocks):
-        return int4.Int4Weight(w, blocks, activations=int4.BLOCK_KINDS[kind])
-    if kind in int4.BLOCK_KINDS and fits_q8(blocks):
-        return Q8Weight(w, blocks)
+    int8 activations and the Q8 blocks int16 ones."""
+    activations = int4.BLOCK_KINDS.get(kind)
+    if activations and int4.fits(blocks):
+        return int4.Int4Weight(w, blocks, activations=activations)
+    if activations and fits_q8(blocks):
+        return Q8Weight(w, blocks, activations="float" if activations == "float" else "int16")
     return Int8Weight(w)
 
 

@@ -147,8 +147,8 @@ class Model:
         )
         if not usable:
             return None
-        # What the 4-bit matrices multiply (the others take float32 whatever this says): any
-        # layer's, not the first's, which may have none (qwen2.5-coder's Q4_K is in ffn_down).
+        # What the 4-bit matrices multiply (Q8 blocks take int16 whenever this is below 32,
+        # int8 ones float32): any layer's, not the first's, which may have none.
         bits = min(w[m].activation_bits for w in self.layers for m in mats)
         absent = torch.empty(0)
         layers = [

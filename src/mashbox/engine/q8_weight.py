@@ -70,9 +70,10 @@ class Q8Weight:
 
     kind = "q8_0"
     max_rows = BLOCKS_MAX_ROWS  # rows up to which a call uses the blocks
-    activation_bits = 32  # activations are never rounded to integers
 
-    def __init__(self, w: Tensor, blocks: list[RawBlocks]):
+    def __init__(self, w: Tensor, blocks: list[RawBlocks], activations: str = "float"):
+        """`activations`: float32, or "int16": rounded per block of 32 for exact integer
+        dot products (int4a16 and int4a8 decode weights: near float32, ~2x the speed)."""
         parts = [int8_blocks(b) for b in blocks]
         if any(d.dtype == torch.float32 for _, d in parts):  # groups of 16 for all
             parts = [(q, d.float().repeat_interleave(q.shape[1] // d.shape[1] // 16, 1))
@@ -83,11 +84,14 @@ class Q8Weight:
         self.w = w
         self.kernel = cpu_kernels.load()
         self.qs, self.d = cpu_kernels.pack_q8(q, d)
+        self.activations = activations
+        self.activation_bits = 16 if activations == "int16" else 32
 
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         if x.shape[0] > self.max_rows:
             return F.linear(x, self.w, bias)
-        y = self.kernel.q8_linear(x.float().contiguous(), self.qs, self.d).to(x.dtype)
+        matmul = self.kernel.q8a16_linear if self.activations == "int16" else self.kernel.q8_linear
+        y = matmul(x.float().contiguous(), self.qs, self.d).to(x.dtype)
         return y + bias if bias is not None else y
 
     @property

@@ -16,18 +16,21 @@ static constexpr int64_t TILE = TILE_LANES, BLOCK = 32;
 // int8 (x ~ xq * dx, dx = max|x| / 127: llama.cpp's Q8_1), or int16 (dx = max|x| / 32767,
 // ~256x finer, near float32) split into bytes, xq = 256 * high + low with high signed and low
 // unsigned, so that both take int8 dot products (dot4). dx and xs = dx * sum(xq) per block.
+// (The Q8 blocks' int8 weights are signed: they take int16 xq whole, two to a lane.)
 struct Rounded {
-  std::vector<int8_t> high;   // int8 xq, or int16 xq's high bytes [rows, K]
-  std::vector<uint8_t> low;   // int16 xq's low bytes (empty for int8)
-  std::vector<float> dx, xs;  // [rows, K / 32]
+  std::vector<int8_t> high;    // int8 xq, or int16 xq's high bytes [rows, K]
+  std::vector<uint8_t> low;    // int16 xq's low bytes (empty for int8)
+  std::vector<int16_t> whole;  // or int16 xq whole (WHOLE), and no bytes
+  std::vector<float> dx, xs;   // [rows, K / 32]
 };
 
 // x[rows, K] rounded to -LIMIT..LIMIT per block (to nearest even): 127 or 32767.
-template <int LIMIT>
+template <int LIMIT, bool WHOLE = false>
 static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
-  const int64_t blocks = rows * (K / BLOCK);
-  Rounded r{std::vector<int8_t>(rows * K), std::vector<uint8_t>(LIMIT > 127 ? rows * K : 0),
-            std::vector<float>(blocks), std::vector<float>(blocks)};
+  const int64_t blocks = rows * (K / BLOCK), bytes = WHOLE ? 0 : rows * K;
+  Rounded r{std::vector<int8_t>(bytes), std::vector<uint8_t>(LIMIT > 127 ? bytes : 0),
+            std::vector<int16_t>(WHOLE ? rows * K : 0), std::vector<float>(blocks),
+            std::vector<float>(blocks)};
   for (int64_t i = 0; i < blocks; ++i) {
     const float* p = x + i * BLOCK;
     float amax = 0.0f;
@@ -36,7 +39,9 @@ static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
     int32_t sum = 0;
     for (int64_t k = 0; k < BLOCK; ++k) {
       const int32_t q = static_cast<int32_t>(std::nearbyint(p[k] * inv));
-      if constexpr (LIMIT > 127) {
+      if constexpr (WHOLE) {
+        r.whole[i * BLOCK + k] = static_cast<int16_t>(q);
+      } else if constexpr (LIMIT > 127) {
         r.high[i * BLOCK + k] = static_cast<int8_t>(q >> 8);  // floor: the low byte >= 0
         r.low[i * BLOCK + k] = static_cast<uint8_t>(q & 0xFF);
       } else {
@@ -179,4 +184,79 @@ void q5a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y,
 void q5a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
                 int64_t K, int64_t N) {
   rounded_gemm<true, Q5_RECORD>(x, qs, dm, y, M, K, N);
+}
+
+// ---- Q8 blocks x int16 activations (q8a16) ------------------------------------------------
+// pack_q8's pairs of int8 weights widened to int16 words times xq[k], xq[k + 1] (dot2): an
+// exact int32 sum per group of G (|sum| < 32 * 128 * 32767 < 2^31), then out += d * (sum *
+// dx), dx the rounding block's (G = 16: two groups a block).
+template <int V, int MB, int G, typename S>
+static inline void q8a16_block(const Rounded& x, const int8_t* qs, const S* ds, float* y,
+                               int64_t n0, int64_t m0, int64_t K, int64_t N) {
+  const int64_t groups = K / G, tile_qs = K * TILE, tile_d = groups * TILE;
+  alignas(64) float out[MB][V * LANES] = {};
+  for (int64_t b = 0; b < groups; ++b) {
+    vint sum[MB][V];
+    UNROLL for (int j = 0; j < MB; ++j)
+      UNROLL for (int v = 0; v < V; ++v) sum[j][v] = vzero_int();
+    UNROLL for (int i = 0; i < G; i += 2) {
+      const int64_t k = b * G + i;
+      vint w[V];
+      UNROLL for (int v = 0; v < V; ++v) {
+        const int8_t* at = qs + (v / VPT) * tile_qs + k / 2 * 2 * TILE + (v % VPT) * LANES * 2;
+        if (i % 32 == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_AHEAD), _MM_HINT_T0);
+        w[v] = widen_pairs(at);
+      }
+      UNROLL for (int j = 0; j < MB; ++j) {
+        const vint xk = broadcast2(x.whole.data() + (m0 + j) * K + k);
+        UNROLL for (int v = 0; v < V; ++v) sum[j][v] = dot2(sum[j][v], w[v], xk);
+      }
+    }
+    UNROLL for (int v = 0; v < V; ++v) {
+      const vfloat d = load_scales(ds + vec_offset(v, tile_d) + b * TILE);
+      UNROLL for (int j = 0; j < MB; ++j) {
+        const vfloat qx = vmul(to_float(sum[j][v]), vbroadcast(x.dx.data() + (m0 + j) * (K / BLOCK) + b * G / BLOCK));
+        vstore(out[j] + v * LANES, vfma(d, qx, vload(out[j] + v * LANES)));
+      }
+    }
+  }
+  store_rows<V, MB>(out, y, n0, m0, N);
+}
+
+template <int G, typename S>
+static void q8a16_gemm_of(const float* x, const int8_t* qs, const S* ds, float* y, int64_t M,
+                          int64_t K, int64_t N) {
+  const int64_t tiles = N / TILE, tile_qs = K * TILE, tile_d = K / G * TILE;
+  const Rounded r = quantize_rows<32767, true>(x, M, K);
+  over_tiles(
+      M, tiles,
+      [&](int64_t t) {
+        q8a16_block<2 * VPT, 1, G>(r, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, 0, K, N);
+      },
+      [&](int64_t t) {
+        q8a16_block<VPT, 1, G>(r, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, 0, K, N);
+      },
+      [&](int64_t t) {
+        const int8_t* q = qs + t * tile_qs;
+        const S* s = ds + t * tile_d;
+        int64_t m = 0;
+        if constexpr (ACCUMULATORS >= 16)
+          for (; M - m >= 8; m += 8) q8a16_block<VPT, 8, G>(r, q, s, y, t * TILE, m, K, N);
+        for (; M - m >= 4; m += 4)
+          for (int v0 = 0; v0 < VPT; v0 += 2)
+            q8a16_block<2, 4, G>(r, q + v0 * LANES * 2, s + v0 * LANES, y, t * TILE + v0 * LANES,
+                                 m, K, N);
+        for (; M - m >= 1; ++m) q8a16_block<VPT, 1, G>(r, q, s, y, t * TILE, m, K, N);
+      });
+}
+
+void q8a16_gemm(const float* x, const int8_t* qs, const uint16_t* ds, float* y, int64_t M,
+                int64_t K, int64_t N) {
+  q8a16_gemm_of<32>(x, qs, ds, y, M, K, N);
+}
+
+void q8a16_gemm(const float* x, const int8_t* qs, const float* ds, float* y, int64_t M, int64_t K,
+                int64_t N) {
+  q8a16_gemm_of<16>(x, qs, ds, y, M, K, N);
 }
