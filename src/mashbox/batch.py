@@ -88,6 +88,8 @@ class Batch:
         """Give free slots to waiting requests, fairly across tenants (`placement.pick`), each
         to a free slot sharing the longest prefix with its prompt (`placement.pair`). Return
         the requests placed (their prompts at most `budget` tokens in all)."""
+        if not self.waiting:  # the common case, every step of steady decoding
+            return []
         if free is None:
             free = [s for s in self.slots if s.seq is None]
         batch = pick(self.waiting, self.slots, len(free), self.tenant_slots, budget)
