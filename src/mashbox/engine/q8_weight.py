@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from torch import Tensor
 
 from . import cpu_kernels
-from .int4 import BLOCKS_MAX_ROWS, unpack
+from .int4 import BLOCKS_MAX_ROWS, Q4_MAX_ROWS, unpack
 from .weights import RawBlocks
 
 Q8_QTYPES = (Q.Q8_0, Q.Q6_K, Q.Q5_0, Q.Q4_0)  # whose weights are int8 values times a scale
@@ -69,7 +69,6 @@ class Q8Weight:
     block of 32 (fp16) or 16 (float32, where a part is Q6_K), as the file stores them."""
 
     kind = "q8_0"
-    max_rows = BLOCKS_MAX_ROWS  # rows up to which a call uses the blocks
 
     def __init__(self, w: Tensor, blocks: list[RawBlocks], activations: str = "float"):
         """`activations`: float32, or "int16": rounded per block of 32 for exact integer
@@ -86,6 +85,10 @@ class Q8Weight:
         self.qs, self.d = cpu_kernels.pack_q8(q, d)
         self.activations = activations
         self.activation_bits = 16 if activations == "int16" else 32
+        # Rows up to which a call uses the blocks: with int16 activations a whole prefill
+        # chunk (3.1-4.6x sgemm at 48-256 rows on qwen2.5's and SmolLM2's shapes, EPYC host,
+        # docs/performance.md), as the Q4 blocks do.
+        self.max_rows = Q4_MAX_ROWS["int16"] if activations == "int16" else BLOCKS_MAX_ROWS
 
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         if x.shape[0] > self.max_rows:
