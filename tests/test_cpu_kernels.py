@@ -216,3 +216,26 @@ def test_pack_q4_round_trips_and_int4a8_weights_hold_the_files_weights():
     weight = Int4Weight(w, [RawBlocks(Q.Q4_1, raw)], activations="int16")
     assert torch.equal(weight.dequantized(), w)
     assert torch.equal(weight(x), kernel.q4a16_linear(x, weight.qs, weight.dm))
+
+
+@pytest.mark.parametrize("activations", ["float", "int16", "int8"])
+def test_q4_0_weights_keep_d_alone_and_read_the_files_weights(activations):
+    """Q4_0's m = -8 d is derived by the kernels: dm holds d alone (2 bytes a block, not 4),
+    and the weights are the file's, each row alone as in any batch."""
+    from gguf import GGMLQuantizationType as Q
+
+    from mashbox.engine.int4 import Int4Weight
+    from mashbox.engine.weights import RawBlocks
+
+    q, d, _ = q4_problem(96, 128, 5)
+    nib = q.view(96, 4, 32)
+    raw = torch.cat([d.view(torch.uint8).view(96, 4, 2), nib[..., :16] | (nib[..., 16:] << 4)],
+                    dim=-1)  # fmt: skip
+    w = (q.float() - 8) * d.float().repeat_interleave(32, 1)
+    weight = Int4Weight(w, [RawBlocks(Q.Q4_0, raw)], activations=activations)
+    assert weight.dm.shape == (3, 4, 1, 32)
+    assert torch.equal(weight.dequantized(), w)
+    x = torch.randn(17, 128, generator=torch.Generator().manual_seed(6))
+    batch = weight(x)
+    for row in (0, 5, 16):
+        assert torch.equal(weight(x[row : row + 1]), batch[row : row + 1])

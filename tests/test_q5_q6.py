@@ -88,6 +88,8 @@ def test_q5_weights_read_exactly_and_each_row_alone_as_in_any_batch(qtype, activ
     weight = Int4Weight(ref, [blocks_of(qtype, raw)], activations=activations)
     assert weight.kernel is cpu_kernels.load() and weight.qs.shape == (3, 96, 160)
     assert weight.activations == activations
+    # Q5_0's m = -16 d is the kernels' to derive: d alone is read
+    assert weight.dm.shape == (3, 24, 1 if qtype == Q.Q5_0 else 2, 32)
     assert torch.equal(cpu_kernels.unpack_q4(weight.qs), unpack(blocks_of(qtype, raw))[0])
     assert torch.equal(weight.dequantized(), ref)
     each_row_alone_as_in_any_batch(weight, 768)

@@ -32,8 +32,10 @@ static constexpr int64_t TILE = TILE_LANES, BLOCK = 32;
 // two tiles), whose scales start at dm; RECORD: Q4_RECORD or Q5_RECORD (cpu_kernels.h).
 template <int V, int MB, typename S, int RECORD>
 static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs, int v0,
-                            const S* dm, float* y, int64_t n0, int64_t m0, int64_t K, int64_t N) {
-  const int64_t blocks = K / BLOCK, tile_qs = K / 8 * RECORD, tile_dm = blocks * 2 * TILE;
+                            const S* dm, int derived_m, float* y, int64_t n0, int64_t m0,
+                            int64_t K, int64_t N) {
+  const int64_t blocks = K / BLOCK, tile_qs = K / 8 * RECORD, per_block = scales_per_block(derived_m),
+                tile_dm = blocks * per_block * TILE;
   alignas(64) float out[MB][V * LANES] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     // The block's even and odd weights in separate sums (two FMA chains a vector instead of
@@ -75,8 +77,8 @@ static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs
     UNROLL for (int j = 0; j < MB; ++j)
       UNROLL for (int v = 0; v < V; ++v) in[j][v] = vadd(even[j][v], odd[j][v]);
     UNROLL for (int v = 0; v < V; ++v) {
-      const S* s = dm + vec_offset(v, tile_dm) + b * 2 * TILE;
-      const vfloat d = load_scales(s), m = load_scales(s + TILE);
+      vfloat d, m;
+      block_scales(dm + vec_offset(v, tile_dm) + b * per_block * TILE, derived_m, d, m);
       UNROLL for (int j = 0; j < MB; ++j) {
         vfloat o = vfma(d, in[j][v], vload(out[j] + v * LANES));
         o = vfma(m, vbroadcast(xsum + (m0 + j) * blocks + b), o);
@@ -90,15 +92,17 @@ static inline void q4_block(const float* x, const float* xsum, const uint8_t* qs
 // q4_block over tile t's vectors from v0 on, rows m.. (their records and scales).
 template <int V, int MB, typename S, int RECORD>
 static inline void q4_tile(const float* x, const float* xs, const uint8_t* qs, const S* dm,
-                           float* y, int64_t t, int v0, int64_t m, int64_t K, int64_t N) {
+                           int derived_m, float* y, int64_t t, int v0, int64_t m, int64_t K,
+                           int64_t N) {
+  const int64_t tile_dm = K / BLOCK * scales_per_block(derived_m) * TILE;
   q4_block<V, MB, S, RECORD>(x, xs, qs + t * (K / 8 * RECORD), v0,
-                             dm + t * (K / BLOCK * 2 * TILE) + v0 * LANES, y,
-                             t * TILE + v0 * LANES, m, K, N);
+                             dm + t * tile_dm + v0 * LANES, derived_m, y, t * TILE + v0 * LANES,
+                             m, K, N);
 }
 
 template <typename S, int RECORD>
 static void q4_gemm_of(const float* x, const uint8_t* qs, const S* dm, float* y, int64_t M,
-                       int64_t K, int64_t N) {
+                       int64_t K, int64_t N, int derived_m) {
   const int64_t blocks = K / BLOCK, tiles = N / TILE;
   // Each row's block sums, once a call (the same for every output).
   std::vector<float> xsum(M * blocks);
@@ -110,40 +114,41 @@ static void q4_gemm_of(const float* x, const uint8_t* qs, const S* dm, float* y,
   const float* xs = xsum.data();
   over_tiles(
       M, tiles,
-      [&](int64_t t) { q4_tile<2 * VPT, 1, S, RECORD>(x, xs, qs, dm, y, t, 0, 0, K, N); },
-      [&](int64_t t) { q4_tile<VPT, 1, S, RECORD>(x, xs, qs, dm, y, t, 0, 0, K, N); },
+      [&](int64_t t) { q4_tile<2 * VPT, 1, S, RECORD>(x, xs, qs, dm, derived_m, y, t, 0, 0, K, N); },
+      [&](int64_t t) { q4_tile<VPT, 1, S, RECORD>(x, xs, qs, dm, derived_m, y, t, 0, 0, K, N); },
       [&](int64_t t) {
         int64_t m = 0;
         if constexpr (ACCUMULATORS >= 16)  // 8 rows x a whole tile: weights widened once
           for (; M - m >= 8; m += 8)
             for (int v0 = 0; v0 < VPT; ++v0)
-              q4_tile<1, 8, S, RECORD>(x, xs, qs, dm, y, t, v0, m, K, N);
+              q4_tile<1, 8, S, RECORD>(x, xs, qs, dm, derived_m, y, t, v0, m, K, N);
         for (; M - m >= 4; m += 4)
           for (int v0 = 0; v0 < VPT; v0 += 2)
-            q4_tile<2, 4, S, RECORD>(x, xs, qs, dm, y, t, v0, m, K, N);
-        for (; M - m >= 2; m += 2) q4_tile<VPT, 2, S, RECORD>(x, xs, qs, dm, y, t, 0, m, K, N);
-        if (M - m == 1) q4_tile<VPT, 1, S, RECORD>(x, xs, qs, dm, y, t, 0, m, K, N);
+            q4_tile<2, 4, S, RECORD>(x, xs, qs, dm, derived_m, y, t, v0, m, K, N);
+        for (; M - m >= 2; m += 2)
+          q4_tile<VPT, 2, S, RECORD>(x, xs, qs, dm, derived_m, y, t, 0, m, K, N);
+        if (M - m == 1) q4_tile<VPT, 1, S, RECORD>(x, xs, qs, dm, derived_m, y, t, 0, m, K, N);
       });
 }
 
 void q4_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
-             int64_t K, int64_t N) {
-  q4_gemm_of<uint16_t, Q4_RECORD>(x, qs, dm, y, M, K, N);
+             int64_t K, int64_t N, int derived_m) {
+  q4_gemm_of<uint16_t, Q4_RECORD>(x, qs, dm, y, M, K, N, derived_m);
 }
 
 void q4_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M, int64_t K,
-             int64_t N) {
-  q4_gemm_of<float, Q4_RECORD>(x, qs, dm, y, M, K, N);
+             int64_t N, int derived_m) {
+  q4_gemm_of<float, Q4_RECORD>(x, qs, dm, y, M, K, N, derived_m);
 }
 
 void q5_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
-             int64_t K, int64_t N) {
-  q4_gemm_of<uint16_t, Q5_RECORD>(x, qs, dm, y, M, K, N);
+             int64_t K, int64_t N, int derived_m) {
+  q4_gemm_of<uint16_t, Q5_RECORD>(x, qs, dm, y, M, K, N, derived_m);
 }
 
 void q5_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M, int64_t K,
-             int64_t N) {
-  q4_gemm_of<float, Q5_RECORD>(x, qs, dm, y, M, K, N);
+             int64_t N, int derived_m) {
+  q4_gemm_of<float, Q5_RECORD>(x, qs, dm, y, M, K, N, derived_m);
 }
 
 // ---- Q8_0 -------------------------------------------------------------------------------
@@ -226,7 +231,8 @@ void q8_gemm(const float* x, const int8_t* qs, const float* ds, float* y, int64_
 }
 
 template <typename S>
-using Q4Gemm = void (*)(const float*, const uint8_t*, const S*, float*, int64_t, int64_t, int64_t);
+using Q4Gemm = void (*)(const float*, const uint8_t*, const S*, float*, int64_t, int64_t, int64_t,
+                        int);
 
 // The kernels for one kind of activations: Q4 and Q5 weights, fp16 or float32 scales.
 struct Q4Kernels {
@@ -238,7 +244,8 @@ struct Q4Kernels {
 
 // y = x . W^T by one of the Q4 or Q5 kernels, after checking qs and dm are what it reads:
 // pack_q4's qs [N / 32][K / 8][128] or pack_q5's [N / 32][K / 8][160]; dm pack_q4's, fp16 or
-// float32.
+// float32, [N / 32][K / 32][2][32] (d and m) or [..][1][32] (d alone: Q4_0's m = -8 d, Q5_0's
+// -16 d).
 static torch::Tensor q4_call(const Q4Kernels& kernels, torch::Tensor x, torch::Tensor qs,
                              torch::Tensor dm) {
   TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kByte &&
@@ -248,17 +255,20 @@ static torch::Tensor q4_call(const Q4Kernels& kernels, torch::Tensor x, torch::T
   const bool q5 = qs.dim() == 3 && qs.size(2) == Q5_RECORD;
   TORCH_CHECK(K % BLOCK == 0 && qs.dim() == 3 && qs.size(1) * 8 == K &&
                   (qs.size(2) == Q4_RECORD || q5) && dm.dim() == 4 &&
-                  dm.size(0) == qs.size(0) && dm.size(1) * BLOCK == K,
+                  dm.size(0) == qs.size(0) && dm.size(1) * BLOCK == K &&
+                  (dm.size(2) == 1 || dm.size(2) == 2) && dm.size(3) == TILE,
               "qs/dm must be packed by pack_q4 or pack_q5 for K = ", K);
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* q = qs.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  const int derived_m = dm.size(2) == 1 ? (q5 ? 16 : 8) : 0;
   if (dm.dtype() == torch::kFloat) {
-    (q5 ? kernels.q5_single : kernels.q4_single)(xp, q, dm.data_ptr<float>(), yp, M, K, N);
+    (q5 ? kernels.q5_single : kernels.q4_single)(xp, q, dm.data_ptr<float>(), yp, M, K, N,
+                                                 derived_m);
   } else {
     const auto* d = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
-    (q5 ? kernels.q5_half : kernels.q4_half)(xp, q, d, yp, M, K, N);
+    (q5 ? kernels.q5_half : kernels.q4_half)(xp, q, d, yp, M, K, N, derived_m);
   }
   return y;
 }

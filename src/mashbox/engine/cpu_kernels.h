@@ -172,9 +172,9 @@ static inline int64_t vec_offset(int v, int64_t tile_stride) {
 // 32 bytes of fifth bits: 128 for the low nibbles (bit 4o + j for output o's byte j), then
 // 128 for the high ones.
 constexpr int Q4_RECORD = 4 * TILE_LANES, Q5_RECORD = Q4_RECORD + TILE_LANES;
-// How far ahead of its loads a kernel asks for weights: the hardware prefetcher alone left one
-// row's Q4 kernels at ~60% of a core's read bandwidth on the EPYC host (1024-1536 bytes
-// measured best there: bench/q4_kernels.py --rows 1).
+// How far ahead of its loads a kernel asks for weights: with the hardware prefetcher alone,
+// one row of q4a16 over SmolLM2's 120 layer matrices took ~1.2x as long on one EPYC core
+// (1024-1536 bytes ahead measured best there; docs/performance.md).
 constexpr int PREFETCH_AHEAD = 1024;
 // Vector v's 8 weights a lane in the records of group g: weights k..k+3 (a byte each, in
 // 0..31) in `low`, k+4..k+7 in `high`. tile_qs: the bytes of a tile's records.
@@ -225,6 +225,15 @@ static inline void store_rows(const float (&out)[MB][V * LANES], float* y, int64
 // LANES of a Q4 block's d or m: fp16 as Q4_0 / Q4_1 store them, or float32 (Q4_K's groups).
 static inline vfloat load_scales(const uint16_t* p) { return from_half(p); }
 static inline vfloat load_scales(const float* p) { return vloadu(p); }
+// A block's d and m for LANES outputs at s: m stored TILE_LANES after d, or (derived_m:
+// Q4_0 / Q5_0, whose dm holds d alone) m = -derived_m * d, exact in float32.
+template <typename S>
+static inline void block_scales(const S* s, int derived_m, vfloat& d, vfloat& m) {
+  d = load_scales(s);
+  const float times = -static_cast<float>(derived_m);
+  m = derived_m ? vmul(d, vbroadcast(&times)) : load_scales(s + TILE_LANES);
+}
+static inline int64_t scales_per_block(int derived_m) { return derived_m ? 1 : 2; }
 
 // f(i) for every i in [0, n) on torch's threads, which take `chunk` indices at a time as they
 // become free. A static split (at::parallel_for) makes the whole call wait for a thread that
@@ -263,11 +272,12 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor p, torch::Tensor scale)
 
 // The same with a GGUF file's own Q4_0/Q4_1 or Q8_0 blocks, packed by pack_q4 / pack_q8
 // (blocks_gemm.cpp); N and K multiples of 32. Each Q4 kernel also takes float32 d and m
-// (Q4_K's groups of 32: int4.py).
+// (Q4_K's groups of 32: int4.py), and derived_m: 0 where dm holds each block's d and m, or
+// the q of w = 0 (8: Q4_0, 16: Q5_0) where it holds d alone and m = -derived_m * d.
 void q4_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
-             int64_t K, int64_t N);
+             int64_t K, int64_t N, int derived_m);
 void q4_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M, int64_t K,
-             int64_t N);
+             int64_t N, int derived_m);
 void q8_gemm(const float* x, const int8_t* qs, const uint16_t* d, float* y, int64_t M,
              int64_t K, int64_t N);
 
@@ -275,28 +285,28 @@ void q8_gemm(const float* x, const int8_t* qs, const uint16_t* d, float* y, int6
 // Q8_1) or int16 (dx = max|x| / 32767: ~256x finer, near float32), exact integer dot
 // products (rounded_gemm.cpp); the same packing as q4_gemm's.
 void q4a8_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
-               int64_t K, int64_t N);
+               int64_t K, int64_t N, int derived_m);
 void q4a8_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
-               int64_t K, int64_t N);
+               int64_t K, int64_t N, int derived_m);
 void q4a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
-                int64_t K, int64_t N);
+                int64_t K, int64_t N, int derived_m);
 void q4a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
-                int64_t K, int64_t N);
+                int64_t K, int64_t N, int derived_m);
 
 // Q5 blocks (Q5_0, Q5_1, Q5_K's groups of 32): q4's nibbles and a fifth bit per weight,
 // packed by pack_q5; w = q * d + m with q in 0..31.
 void q5_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
-             int64_t K, int64_t N);
+             int64_t K, int64_t N, int derived_m);
 void q5_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M, int64_t K,
-             int64_t N);
+             int64_t N, int derived_m);
 void q5a8_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
-               int64_t K, int64_t N);
+               int64_t K, int64_t N, int derived_m);
 void q5a8_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
-               int64_t K, int64_t N);
+               int64_t K, int64_t N, int derived_m);
 void q5a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
-                int64_t K, int64_t N);
+                int64_t K, int64_t N, int derived_m);
 void q5a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
-                int64_t K, int64_t N);
+                int64_t K, int64_t N, int derived_m);
 // Q8 blocks of 16 with float32 scales (Q6_K's: d * sc, exact): d [N / 32][K / 16][32].
 void q8_gemm(const float* x, const int8_t* qs, const float* d, float* y, int64_t M, int64_t K,
              int64_t N);

@@ -237,6 +237,9 @@ def _check_cases(module, n: int, g: torch.Generator) -> list[tuple]:
     q5 = ints(0, 32, (n, k), torch.uint8)
     w5 = q5.double() * per_block(d4) + per_block(m4)
     qs5, _ = pack_q5(q5, d4, m4)
+    # d alone (Q4_0's m = -8 d, Q5_0's -16 d, derived by the kernels)
+    _, d40 = pack_q4(q4, d4, None)
+    w40, w50 = (q.double() * per_block(d4) - c * per_block(d4) for q, c in ((q4, 8), (q5, 16)))
     w5k = q5.double() * per_block(d4k) + per_block(m4k)
     d8 = (2.0 ** -ints(7, 9, (n, blocks))).half()
     d16 = (2.0 ** -ints(7, 9, (n, 2 * blocks))) * ints(1, 4, (n, 2 * blocks))
@@ -263,6 +266,12 @@ def _check_cases(module, n: int, g: torch.Generator) -> list[tuple]:
         ("q5_linear (float32 d, m)", lambda x: module.q4_linear(x, qs5, dm4k), w5k, float_x),
         ("q5a16_linear (float32 d, m)", lambda x: module.q4a16_linear(x, qs5, dm4k), w5k, x16),
         ("q5a8_linear (float32 d, m)", lambda x: module.q4a8_linear(x, qs5, dm4k), w5k, x8),
+        ("q4_linear (Q4_0: d alone)", lambda x: module.q4_linear(x, qs4, d40), w40, float_x),
+        ("q4a16_linear (Q4_0: d alone)", lambda x: module.q4a16_linear(x, qs4, d40), w40, x16),
+        ("q4a8_linear (Q4_0: d alone)", lambda x: module.q4a8_linear(x, qs4, d40), w40, x8),
+        ("q5_linear (Q5_0: d alone)", lambda x: module.q4_linear(x, qs5, d40), w50, float_x),
+        ("q5a16_linear (Q5_0: d alone)", lambda x: module.q4a16_linear(x, qs5, d40), w50, x16),
+        ("q5a8_linear (Q5_0: d alone)", lambda x: module.q4a8_linear(x, qs5, d40), w50, x8),
         ("q8_linear", lambda x: module.q8_linear(x, qs8, ds8), w_q8, float_x),
         ("q8_linear (groups of 16)", lambda x: module.q8_linear(x, qs16, ds16), w16, float_x),
         ("q8a16_linear", lambda x: module.q8a16_linear(x, qs8, ds8), w_q8, x16),
@@ -283,21 +292,27 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
     return q.view(-1, TILE, k).transpose(1, 2).contiguous()
 
 
-def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_q4(
+    q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A GGUF matrix's 4-bit blocks as the Q4 kernels (blocks_gemm.cpp, rounded_gemm.cpp)
     read them: q uint8 [N, K] in 0..15 and fp16 (or float32: Q4_K's) d, m [N, K / 32]
     (w = q * d + m) -> qs uint8 [N / 32, K / 8, 128], per 32 outputs and 8 weights a record
     of 4 bytes an output, byte j holding weights j (low nibble) and j + 4 (high), so one
     32-bit lane holds 4 consecutive weights for an int8 dot product; and dm
-    [N / 32, K / 32, 2, 32] in d's dtype."""
+    [N / 32, K / 32, 2, 32] in d's dtype, or [.., 1, 32] with m None (Q4_0: the kernels take
+    m = -8 d; Q5_0 in pack_q5: -16 d)."""
     n, k = q.shape
     eights = q.view(n // TILE, TILE, k // 8, 8)
     qs = (eights[..., :4] | (eights[..., 4:] << 4)).permute(0, 2, 1, 3)
-    dm = torch.stack([d, m], dim=-1).view(n // TILE, TILE, k // 32, 2)
+    scales = [d] if m is None else [d, m]
+    dm = torch.stack(scales, dim=-1).view(n // TILE, TILE, k // 32, len(scales))
     return qs.reshape(n // TILE, k // 8, 4 * TILE), dm.permute(0, 2, 3, 1).contiguous()
 
 
-def pack_q5(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_q5(
+    q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """5-bit blocks (q uint8 [N, K] in 0..31; d, m as pack_q4's) as the Q5 kernels read them:
     qs uint8 [N / 32, K / 8, 160], each record pack_q4's 128 bytes of low nibbles, then their
     fifth bits, little-endian: 128 bits for the low nibbles (bit 4o + j: output o's byte j),

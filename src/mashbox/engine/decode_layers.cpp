@@ -19,8 +19,8 @@ using decode_math::silu_mul;
 
 // A decode matrix, told apart by its tensors' dtypes and shapes: int8 per output channel
 // (int8 packed weights, float32 scales [N]: int8_gemm.cpp), a GGUF's own Q4 or Q5 blocks
-// (uint8 qs [.., 128] for Q4, [.., 160] for Q5; fp16 d and m, or float32 for the K-quants'
-// groups of 32) or Q8 blocks (int8 qs; fp16 d per 32, or float32 per 16: Q6_K's):
+// (uint8 qs [.., 128] for Q4, [.., 160] for Q5; fp16 d and m, d alone for Q4_0 and Q5_0, or
+// float32 for the K-quants' groups of 32) or Q8 blocks (int8 qs; fp16 d per 32, or float32 per 16: Q6_K's):
 // blocks_gemm.cpp and rounded_gemm.cpp.
 struct Mat {
   torch::Tensor a, b;
@@ -58,11 +58,12 @@ struct Mat {
   template <typename S>  // fp16 (uint16_t) or float32 d and m
   void run_q4(const float* x, const S* scales, float* y, int64_t rows) const {
     using Gemm = void (*)(const float*, const uint8_t*, const S*, float*, int64_t, int64_t,
-                          int64_t);
+                          int64_t, int);
     Gemm four = q4_gemm, five = q5_gemm;
     if (q4_activation_bits == 8) four = q4a8_gemm, five = q5a8_gemm;
     if (q4_activation_bits == 16) four = q4a16_gemm, five = q5a16_gemm;
-    (q5() ? five : four)(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n());
+    const int derived_m = b.size(2) == 1 ? (q5() ? 16 : 8) : 0;  // Q4_0 / Q5_0: d alone
+    (q5() ? five : four)(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n(), derived_m);
   }
 };
 

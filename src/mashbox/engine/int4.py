@@ -163,7 +163,10 @@ class Int4Weight:
         self.activations = activations if self.kernel is not None else "float"
         if self.kernel is not None:
             five = any(b.qtype in Q5_QTYPES for b in blocks)
-            self.qs, self.dm = (cpu_kernels.pack_q5 if five else cpu_kernels.pack_q4)(q, d, m)
+            # Q4_0's m = -8 d and Q5_0's -16 d are the kernels' to derive: d alone is read
+            derived = all(b.qtype == (Q.Q5_0 if five else Q.Q4_0) for b in blocks)
+            pack = cpu_kernels.pack_q5 if five else cpu_kernels.pack_q4
+            self.qs, self.dm = pack(q, d, None if derived else m)
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             # [K / 32, N, 2]: the kernel's layout; w = (q - 8) * d + (m + 8 d).

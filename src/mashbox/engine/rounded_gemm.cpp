@@ -4,9 +4,9 @@
 
 // y[M, N] = x[M, K] . W^T with W a GGUF file's own Q4 or Q5 blocks (packed as for q4_gemm and
 // q5_gemm, blocks_gemm.cpp: Q4_0 / Q4_1 / Q5_0 / Q5_1 with fp16 d and m, Q4_K's and Q5_K's
-// groups of 32 with float32 ones) and the activations rounded to integers per block of 32, for
-// exact integer dot products: the same kernel for every kind, unpacking a record's bytes
-// once for all its rows.
+// groups of 32 with float32 ones), or its Q8 blocks (q8a16), and the activations rounded to
+// integers per block of 32, for exact integer dot products. One kernel for the 4- and 5-bit
+// blocks and int8 or int16 activations, unpacking a record's bytes once for all its rows.
 
 #define UNROLL _Pragma("GCC unroll 16")
 
@@ -58,11 +58,13 @@ static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
 // A block's integer sums into out: out += d * (sum * dx) + m * xs, the same order for both.
 template <int V, int MB, typename S>
 static inline void add_block_sums(const vint (&sum)[MB][V], const Rounded& x, const S* dm,
+                                  int derived_m,
                                   float (&out)[MB][V * LANES], int64_t b, int64_t m0,
                                   int64_t blocks, int64_t tile_dm) {
   UNROLL for (int v = 0; v < V; ++v) {
-    const S* s = dm + vec_offset(v, tile_dm) + b * 2 * TILE;
-    const vfloat d = load_scales(s), m = load_scales(s + TILE);
+    vfloat d, m;
+    block_scales(dm + vec_offset(v, tile_dm) + b * scales_per_block(derived_m) * TILE, derived_m,
+                 d, m);
     UNROLL for (int j = 0; j < MB; ++j) {
       const int64_t at = (m0 + j) * blocks + b;
       const vfloat qx = vmul(to_float(sum[j][v]), vbroadcast(x.dx.data() + at));
@@ -81,8 +83,10 @@ static inline void add_block_sums(const vint (&sum)[MB][V], const Rounded& x, co
 // Block sums stay below 32 * 31 * 32767 < 2^31.
 template <int V, int MB, int RECORD, bool INT16, typename S>
 static inline void rounded_block(const Rounded& x, const uint8_t* qs, int v0, const S* dm,
-                                 float* y, int64_t n0, int64_t m0, int64_t K, int64_t N) {
-  const int64_t blocks = K / BLOCK, tile_qs = K / 8 * RECORD, tile_dm = blocks * 2 * TILE;
+                                 int derived_m, float* y, int64_t n0, int64_t m0, int64_t K,
+                                 int64_t N) {
+  const int64_t blocks = K / BLOCK, tile_qs = K / 8 * RECORD,
+                tile_dm = blocks * scales_per_block(derived_m) * TILE;
   alignas(64) float out[MB][V * LANES] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     vint sum[MB][V], low_sum[MB][V];
@@ -108,7 +112,7 @@ static inline void rounded_block(const Rounded& x, const uint8_t* qs, int v0, co
     if constexpr (INT16)
       UNROLL for (int j = 0; j < MB; ++j)
         UNROLL for (int v = 0; v < V; ++v) sum[j][v] = shift_add(sum[j][v], 8, low_sum[j][v]);
-    add_block_sums<V, MB>(sum, x, dm, out, b, m0, blocks, tile_dm);
+    add_block_sums<V, MB>(sum, x, dm, derived_m, out, b, m0, blocks, tile_dm);
   }
   store_rows<V, MB>(out, y, n0, m0, N);
 }
@@ -117,13 +121,14 @@ static inline void rounded_block(const Rounded& x, const uint8_t* qs, int v0, co
 // the sums a row, so it takes half the rows at a time.
 template <bool INT16, int RECORD, typename S>
 static void rounded_gemm(const float* x, const uint8_t* qs, const S* dm, float* y, int64_t M,
-                         int64_t K, int64_t N) {
-  const int64_t tiles = N / TILE, tile_qs = K / 8 * RECORD, tile_dm = K / BLOCK * 2 * TILE;
+                         int64_t K, int64_t N, int derived_m) {
+  const int64_t tiles = N / TILE, tile_qs = K / 8 * RECORD,
+                tile_dm = K / BLOCK * scales_per_block(derived_m) * TILE;
   const Rounded r = quantize_rows<INT16 ? 32767 : 127>(x, M, K);
   auto tile = [&](auto v_count, auto rows, int64_t t, int v0, int64_t m) {
     constexpr int V = decltype(v_count)::value, MB = decltype(rows)::value;
     rounded_block<V, MB, RECORD, INT16>(r, qs + t * tile_qs, v0, dm + t * tile_dm + v0 * LANES,
-                                        y, t * TILE + v0 * LANES, m, K, N);
+                                        derived_m, y, t * TILE + v0 * LANES, m, K, N);
   };
   using std::integral_constant;
   constexpr int WIDE = INT16 ? ACCUMULATORS / 2 : ACCUMULATORS;  // rows x vectors at once
@@ -147,43 +152,43 @@ static void rounded_gemm(const float* x, const uint8_t* qs, const S* dm, float* 
 }
 
 void q4a8_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
-               int64_t K, int64_t N) {
-  rounded_gemm<false, Q4_RECORD>(x, qs, dm, y, M, K, N);
+               int64_t K, int64_t N, int derived_m) {
+  rounded_gemm<false, Q4_RECORD>(x, qs, dm, y, M, K, N, derived_m);
 }
 
 void q4a8_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
-               int64_t K, int64_t N) {
-  rounded_gemm<false, Q4_RECORD>(x, qs, dm, y, M, K, N);
+               int64_t K, int64_t N, int derived_m) {
+  rounded_gemm<false, Q4_RECORD>(x, qs, dm, y, M, K, N, derived_m);
 }
 
 void q5a8_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
-               int64_t K, int64_t N) {
-  rounded_gemm<false, Q5_RECORD>(x, qs, dm, y, M, K, N);
+               int64_t K, int64_t N, int derived_m) {
+  rounded_gemm<false, Q5_RECORD>(x, qs, dm, y, M, K, N, derived_m);
 }
 
 void q5a8_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
-               int64_t K, int64_t N) {
-  rounded_gemm<false, Q5_RECORD>(x, qs, dm, y, M, K, N);
+               int64_t K, int64_t N, int derived_m) {
+  rounded_gemm<false, Q5_RECORD>(x, qs, dm, y, M, K, N, derived_m);
 }
 
 void q4a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
-                int64_t K, int64_t N) {
-  rounded_gemm<true, Q4_RECORD>(x, qs, dm, y, M, K, N);
+                int64_t K, int64_t N, int derived_m) {
+  rounded_gemm<true, Q4_RECORD>(x, qs, dm, y, M, K, N, derived_m);
 }
 
 void q4a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
-                int64_t K, int64_t N) {
-  rounded_gemm<true, Q4_RECORD>(x, qs, dm, y, M, K, N);
+                int64_t K, int64_t N, int derived_m) {
+  rounded_gemm<true, Q4_RECORD>(x, qs, dm, y, M, K, N, derived_m);
 }
 
 void q5a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y, int64_t M,
-                int64_t K, int64_t N) {
-  rounded_gemm<true, Q5_RECORD>(x, qs, dm, y, M, K, N);
+                int64_t K, int64_t N, int derived_m) {
+  rounded_gemm<true, Q5_RECORD>(x, qs, dm, y, M, K, N, derived_m);
 }
 
 void q5a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
-                int64_t K, int64_t N) {
-  rounded_gemm<true, Q5_RECORD>(x, qs, dm, y, M, K, N);
+                int64_t K, int64_t N, int derived_m) {
+  rounded_gemm<true, Q5_RECORD>(x, qs, dm, y, M, K, N, derived_m);
 }
 
 // ---- Q8 blocks x int16 activations (q8a16) ------------------------------------------------
