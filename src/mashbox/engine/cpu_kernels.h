@@ -81,6 +81,23 @@ static inline vint dot2(vint acc, vint a, vint b) {
 static inline vint widen_pairs(const int8_t* p) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// Half H of LANES x 4 weight bytes (weight_bytes) as words: LANES lanes, two an output
+// (weights k, k + 1, then k + 2, k + 3) of the outputs of that half.
+template <int H>
+static inline vint half_words(vint bytes) {
+  return _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(bytes, H));
+}
+static inline vint broadcast8(const int16_t* p) {  // xq[k..k+3] in every pair of lanes
+  int64_t eight;
+  std::memcpy(&eight, p, sizeof eight);
+  return _mm512_set1_epi64(eight);
+}
+// The sums of lanes 2i and 2i + 1 of a, then of b: one lane an output again, in order.
+static inline vint pair_sums(vint a, vint b) {
+  const vint index = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  return _mm512_permutex2var_epi32(_mm512_add_epi32(a, _mm512_srli_epi64(a, 32)), index,
+                                   _mm512_add_epi32(b, _mm512_srli_epi64(b, 32)));
+}
 // Q5's fifth bits (pack_q5): one a byte of weights, bit i for byte i. Adds 16 to each byte
 // whose bit is set (a masked byte add).
 static inline vint add_fifth(vint w, const uint8_t* bits) {
@@ -147,6 +164,21 @@ static inline vint dot2(vint acc, vint a, vint b) {
 }
 static inline vint widen_pairs(const int8_t* p) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <int H>
+static inline vint half_words(vint bytes) {
+  return _mm256_cvtepu8_epi16(_mm256_extracti128_si256(bytes, H));
+}
+static inline vint broadcast8(const int16_t* p) {
+  int64_t eight;
+  std::memcpy(&eight, p, sizeof eight);
+  return _mm256_set1_epi64x(eight);
+}
+static inline vint pair_sums(vint a, vint b) {  // even lanes of each, then 64-bit reorder
+  const __m256 even = _mm256_shuffle_ps(
+      _mm256_castsi256_ps(_mm256_add_epi32(a, _mm256_srli_epi64(a, 32))),
+      _mm256_castsi256_ps(_mm256_add_epi32(b, _mm256_srli_epi64(b, 32))), 0x88);
+  return _mm256_permute4x64_epi64(_mm256_castps_si256(even), 0xD8);
 }
 // No mask registers: each byte picks its bit's byte (shuffle), tests its bit (and, compare),
 // then adds 16 where set.

@@ -117,37 +117,80 @@ static inline void rounded_block(const Rounded& x, const uint8_t* qs, int v0, co
   store_rows<V, MB>(out, y, n0, m0, N);
 }
 
-// Round x per block (quantize_rows), then spread the tiles as q4_gemm does. INT16 keeps twice
-// the sums a row, so it takes half the rows at a time.
+// Several rows with int16 activations, whole (quantize_rows' WHOLE): vector v0's weight
+// bytes widened to words once for all MB rows, two lanes an output (half_words), times
+// xq[k..k+3] (dot2), the pairs of lanes summed at the block's end. The same exact sums as
+// rounded_block's, with half the broadcasts and one sum a row and half-vector.
+template <int MB, int RECORD, typename S>
+static inline void words_block(const Rounded& x, const uint8_t* qs, int v0, const S* dm,
+                               int derived_m, float* y, int64_t n0, int64_t m0, int64_t K,
+                               int64_t N) {
+  const int64_t blocks = K / BLOCK, tile_qs = K / 8 * RECORD,
+                tile_dm = blocks * scales_per_block(derived_m) * TILE;
+  alignas(64) float out[MB][LANES] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    vint first[MB], second[MB];  // the vector's first and second half of outputs
+    UNROLL for (int j = 0; j < MB; ++j) first[j] = second[j] = vzero_int();
+    UNROLL for (int group = 0; group < BLOCK / 8; ++group) {
+      const int64_t g = b * BLOCK / 8 + group;
+      vint low, high;
+      weight_bytes<RECORD>(qs, v0, g, tile_qs, low, high);
+      const vint w0 = half_words<0>(low), w1 = half_words<1>(low);
+      const vint w2 = half_words<0>(high), w3 = half_words<1>(high);
+      UNROLL for (int j = 0; j < MB; ++j) {
+        const int16_t* row = x.whole.data() + (m0 + j) * K + 8 * g;
+        const vint x0 = broadcast8(row), x1 = broadcast8(row + 4);
+        first[j] = dot2(dot2(first[j], w0, x0), w2, x1);
+        second[j] = dot2(dot2(second[j], w1, x0), w3, x1);
+      }
+    }
+    vint sum[MB][1];
+    UNROLL for (int j = 0; j < MB; ++j) sum[j][0] = pair_sums(first[j], second[j]);
+    add_block_sums<1, MB>(sum, x, dm, derived_m, out, b, m0, blocks, tile_dm);
+  }
+  store_rows<1, MB>(out, y, n0, m0, N);
+}
+
+// Round x per block (quantize_rows), then spread the tiles as q4_gemm does.
 template <bool INT16, int RECORD, typename S>
 static void rounded_gemm(const float* x, const uint8_t* qs, const S* dm, float* y, int64_t M,
                          int64_t K, int64_t N, int derived_m) {
   const int64_t tiles = N / TILE, tile_qs = K / 8 * RECORD,
                 tile_dm = K / BLOCK * scales_per_block(derived_m) * TILE;
-  const Rounded r = quantize_rows<INT16 ? 32767 : 127>(x, M, K);
+  // One row: int16 as bytes (rounded_block); several: whole (words_block).
+  const Rounded r = INT16 && M > 1 ? quantize_rows<32767, true>(x, M, K)
+                                   : quantize_rows<INT16 ? 32767 : 127>(x, M, K);
   auto tile = [&](auto v_count, auto rows, int64_t t, int v0, int64_t m) {
     constexpr int V = decltype(v_count)::value, MB = decltype(rows)::value;
     rounded_block<V, MB, RECORD, INT16>(r, qs + t * tile_qs, v0, dm + t * tile_dm + v0 * LANES,
                                         derived_m, y, t * TILE + v0 * LANES, m, K, N);
   };
   using std::integral_constant;
-  constexpr int WIDE = INT16 ? ACCUMULATORS / 2 : ACCUMULATORS;  // rows x vectors at once
+  // Several rows of int8: R rows x 2 vectors a block, each x broadcast shared by both.
+  constexpr int R = ACCUMULATORS / 2;
   over_tiles(
       M, tiles,
       [&](int64_t t) { tile(integral_constant<int, 2 * VPT>{}, integral_constant<int, 1>{}, t, 0, 0); },
       [&](int64_t t) { tile(integral_constant<int, VPT>{}, integral_constant<int, 1>{}, t, 0, 0); },
       [&](int64_t t) {
         int64_t m = 0;
-        if constexpr (WIDE >= 8)  // 8 rows x a vector: weights unpacked once for 8 rows
-          for (; M - m >= 8; m += 8)
+        if constexpr (INT16) {
+          auto words = [&](auto rows, int64_t m) {
             for (int v0 = 0; v0 < VPT; ++v0)
-              tile(integral_constant<int, 1>{}, integral_constant<int, 8>{}, t, v0, m);
-        for (; M - m >= 4; m += 4)
-          for (int v0 = 0; v0 < VPT; ++v0)
-            tile(integral_constant<int, 1>{}, integral_constant<int, 4>{}, t, v0, m);
-        for (; M - m >= 2; m += 2)
-          tile(integral_constant<int, VPT>{}, integral_constant<int, 2>{}, t, 0, m);
-        if (M - m == 1) tile(integral_constant<int, VPT>{}, integral_constant<int, 1>{}, t, 0, m);
+              words_block<decltype(rows)::value, RECORD>(r, qs + t * tile_qs, v0,
+                                                         dm + t * tile_dm + v0 * LANES, derived_m,
+                                                         y, t * TILE + v0 * LANES, m, K, N);
+          };
+          for (; M - m >= ACCUMULATORS / 2; m += ACCUMULATORS / 2)
+            words(integral_constant<int, ACCUMULATORS / 2>{}, m);
+          for (; M - m >= 1; ++m) words(integral_constant<int, 1>{}, m);
+          return;
+        }
+        for (; M - m >= R; m += R)
+          for (int v0 = 0; v0 < VPT; v0 += 2)
+            tile(integral_constant<int, 2>{}, integral_constant<int, R>{}, t, v0, m);
+        for (; M - m >= 1; ++m)
+          tile(integral_constant<int, VPT>{}, integral_constant<int, 1>{}, t, 0, m);
       });
 }
 
