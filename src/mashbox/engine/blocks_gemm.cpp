@@ -197,27 +197,12 @@ static inline void q8_block(const float* x, const int8_t* qs, const S* ds, float
 template <int G, typename S>
 static void q8_gemm_of(const float* x, const int8_t* qs, const S* ds, float* y, int64_t M,
                        int64_t K, int64_t N) {
-  const int64_t tiles = N / TILE, tile_qs = K * TILE, tile_d = K / G * TILE;
-  over_tiles(
-      M, tiles,
-      [&](int64_t t) {
-        q8_block<2 * VPT, 1, G>(x, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, 0, K, N);
-      },
-      [&](int64_t t) {
-        q8_block<VPT, 1, G>(x, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, 0, K, N);
-      },
-      [&](int64_t t) {
-        const int8_t* q = qs + t * tile_qs;
-        const S* s = ds + t * tile_d;
-        int64_t m = 0;
-        if constexpr (ACCUMULATORS >= 16)
-          for (; M - m >= 8; m += 8) q8_block<VPT, 8, G>(x, q, s, y, t * TILE, m, K, N);
-        for (; M - m >= 4; m += 4)
-          for (int v0 = 0; v0 < VPT; v0 += 2)
-            q8_block<2, 4, G>(x, q + v0 * LANES * 2, s + v0 * LANES, y, t * TILE + v0 * LANES, m,
-                              K, N);
-        for (; M - m >= 1; ++m) q8_block<VPT, 1, G>(x, q, s, y, t * TILE, m, K, N);
-      });
+  const int64_t tile_qs = K * TILE, tile_d = K / G * TILE;
+  q8_tiles(M, N / TILE, [&](auto v, auto rows, int64_t t, int v0, int64_t m) {
+    q8_block<decltype(v)::value, decltype(rows)::value, G>(
+        x, qs + t * tile_qs + v0 * LANES * 2, ds + t * tile_d + v0 * LANES, y,
+        t * TILE + v0 * LANES, m, K, N);
+  });
 }
 
 void q8_gemm(const float* x, const int8_t* qs, const uint16_t* ds, float* y, int64_t M,

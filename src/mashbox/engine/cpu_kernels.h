@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // One vector of float32 lanes for the matmul kernels: AVX-512 where the machine that builds
@@ -293,6 +294,28 @@ inline void over_tiles(int64_t M, int64_t tiles, const Pair& pair, const Single&
   }
   parallel_chunks(tiles / 2, 2, [&](int64_t t) { pair(2 * t); });
   if (tiles % 2) single(tiles - 1);
+}
+
+// How the Q8 kernels (q8_gemm, q8a16_gemm) spread a matmul's tiles: block(V, MB, t, v0, m)
+// computes MB rows from m of V vectors from vector v0 of tile t (V and MB as
+// std::integral_constant, so each block is compiled for its shape).
+template <typename Block>
+inline void q8_tiles(int64_t M, int64_t tiles, const Block& block) {
+  using std::integral_constant;
+  const integral_constant<int, 1> one;
+  over_tiles(
+      M, tiles, [&](int64_t t) { block(integral_constant<int, 2 * VPT>{}, one, t, 0, 0); },
+      [&](int64_t t) { block(integral_constant<int, VPT>{}, one, t, 0, 0); },
+      [&](int64_t t) {
+        int64_t m = 0;
+        if constexpr (ACCUMULATORS >= 16)
+          for (; M - m >= 8; m += 8)
+            block(integral_constant<int, VPT>{}, integral_constant<int, 8>{}, t, 0, m);
+        for (; M - m >= 4; m += 4)
+          for (int v0 = 0; v0 < VPT; v0 += 2)
+            block(integral_constant<int, 2>{}, integral_constant<int, 4>{}, t, v0, m);
+        for (; M - m >= 1; ++m) block(integral_constant<int, VPT>{}, one, t, 0, m);
+      });
 }
 
 // y[M, N] = x[M, K] . (q[N, K] * scale[N])^T, float32 activations and int8 weights packed
