@@ -72,7 +72,7 @@ class Q8Weight:
 
     def __init__(self, w: Tensor, blocks: list[RawBlocks], activations: str = "float"):
         """`activations`: float32, or "int16": rounded per block of 32 for exact integer
-        dot products (int4a16 and int4a8 decode weights: near float32, ~2x the speed)."""
+        dot products (int4a16 and int4a8 decode weights: near float32, 1.4-1.6x the speed)."""
         parts = [int8_blocks(b) for b in blocks]
         if any(d.dtype == torch.float32 for _, d in parts):  # groups of 16 for all
             parts = [(q, d.float().repeat_interleave(q.shape[1] // d.shape[1] // 16, 1))
