@@ -153,11 +153,6 @@ void q5_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64
 
 // ---- Q8_0 -------------------------------------------------------------------------------
 
-// Where vector v's weights k, k + 1 lie in pack_q8's pairs (tile_qs: a tile's bytes).
-static inline int64_t pair_offset(int v, int64_t k, int64_t tile_qs) {
-  return (v / VPT) * tile_qs + k / 2 * 2 * TILE + (v % VPT) * LANES * 2;
-}
-
 // G: the weights a scale covers (32, fp16 d; or 16, float32), S its type.
 template <int V, int MB, int G, typename S>
 static inline void q8_block(const float* x, const int8_t* qs, const S* ds, float* y, int64_t n0,
@@ -168,11 +163,7 @@ static inline void q8_block(const float* x, const int8_t* qs, const S* ds, float
     vfloat in[MB][V];
     UNROLL for (int j = 0; j < MB; ++j)
       UNROLL for (int v = 0; v < V; ++v) in[j][v] = vzero();
-    UNROLL for (int v = 0; v < V; v += VPT)  // each tile's group (G * 32 bytes), ahead
-      for (int line = 0; line < G * TILE; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(qs + pair_offset(v, b * G, tile_qs) + line +
-                                                   PREFETCH_AHEAD),
-                     _MM_HINT_T0);
+    prefetch_pairs<V, G>(qs, b, tile_qs);
     for (int64_t k = b * G; k < (b + 1) * G; k += 2) {
       vfloat x0[MB], x1[MB];
       UNROLL for (int j = 0; j < MB; ++j) {

@@ -226,6 +226,20 @@ static inline void weight_bytes(const uint8_t* qs, int v, int64_t g, int64_t til
     high = add_fifth(high, bits + TILE_LANES / 2);
   }
 }
+// Where vector v's weights k, k + 1 lie in pack_q8's pairs (tile_qs: a tile's bytes).
+static inline int64_t pair_offset(int v, int64_t k, int64_t tile_qs) {
+  return (v / VPT) * tile_qs + k / 2 * 2 * TILE_LANES + (v % VPT) * LANES * 2;
+}
+// Asks for the pairs of scale group b (G weights: G * 32 bytes a tile) of the tiles the V
+// vectors span, PREFETCH_AHEAD bytes on.
+template <int V, int G>
+static inline void prefetch_pairs(const int8_t* qs, int64_t b, int64_t tile_qs) {
+  for (int v = 0; v < V; v += VPT)
+    for (int line = 0; line < G * TILE_LANES; line += 64)
+      _mm_prefetch(
+          reinterpret_cast<const char*>(qs + pair_offset(v, b * G, tile_qs) + line + PREFETCH_AHEAD),
+          _MM_HINT_T0);
+}
 // Lanes of widen_pairs as floats: the low words (weight k) and the high ones (k + 1).
 static inline vfloat low_word_float(vint pairs) {
 #if defined(__AVX512F__)

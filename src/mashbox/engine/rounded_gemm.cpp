@@ -247,15 +247,11 @@ static inline void q8a16_block(const Rounded& x, const int8_t* qs, const S* ds, 
     vint sum[MB][V];
     UNROLL for (int j = 0; j < MB; ++j)
       UNROLL for (int v = 0; v < V; ++v) sum[j][v] = vzero_int();
+    prefetch_pairs<V, G>(qs, b, tile_qs);
     UNROLL for (int i = 0; i < G; i += 2) {
       const int64_t k = b * G + i;
       vint w[V];
-      UNROLL for (int v = 0; v < V; ++v) {
-        const int8_t* at = qs + (v / VPT) * tile_qs + k / 2 * 2 * TILE + (v % VPT) * LANES * 2;
-        if (i % 32 == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(at + PREFETCH_AHEAD), _MM_HINT_T0);
-        w[v] = widen_pairs(at);
-      }
+      UNROLL for (int v = 0; v < V; ++v) w[v] = widen_pairs(qs + pair_offset(v, k, tile_qs));
       UNROLL for (int j = 0; j < MB; ++j) {
         const vint xk = broadcast2(x.whole.data() + (m0 + j) * K + k);
         UNROLL for (int v = 0; v < V; ++v) sum[j][v] = dot2(sum[j][v], w[v], xk);
