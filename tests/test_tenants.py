@@ -277,9 +277,18 @@ def test_a_poison_request_is_not_run_into_a_second_fault(tiny_llama):
             body = {"prompt": innocent_prompt, "max_tokens": 300, "ignore_eos": True}
             results["innocent"] = httpx.post(url + "/v1/completions", json=body, timeout=120)
 
+        def innocent_decoding() -> bool:  # past its admission and prompt: steady work
+            metrics = httpx.get(url + "/metrics").text
+            return any(
+                line.startswith("mashbox:generation_tokens_total") and float(line.split()[-1])
+                for line in metrics.splitlines()
+            )
+
         thread = threading.Thread(target=innocent)
         thread.start()
-        time.sleep(1.0)  # the innocent request is decoding
+        # Only a fault beside others' steady decodes blames the new work (Batch._poison): a
+        # fixed sleep let a slow host send the poison while the innocent was still new work.
+        wait_for(innocent_decoding, timeout=60)
         body = {"prompt": poison_prompt, "max_tokens": 4}
         poison = httpx.post(url + "/v1/completions", json=body, timeout=120)
         thread.join()
