@@ -3,18 +3,22 @@ attention, the rest) and how close each comes to the practical peak.
 
     python bench/prefill_roofline.py                                  # SmolLM2, 2,048 tokens
     python bench/prefill_roofline.py --model qwen2.5-coder-0.5b-instruct --tokens 20480
+    python bench/prefill_roofline.py --torch-attention   # torch's attention, for comparison
 
 The Engine alone (no server), the prompt fed in --chunk-token chunks as the scheduler feeds
 it (`--prefill-chunk`). FLOPs: 2 per weight per token for the layer matmuls, 4 * keys *
 head_dim per query head per layer for attention (QK^T and AV over the keys each row sees).
-The peak is measured, not quoted: float32 sgemm (torch.mm, MKL) of 2048 x 2048 matrices on
-the same threads, best of 5. On 2 cores nothing else should run meanwhile.
+The peaks are measured, not quoted, on the same threads: float32 sgemm (torch.mm, MKL) of
+2048 x 2048 matrices, best of 5, the practical one; and independent float32 FMAs at the CPU's
+widest vectors (compiled here with -march=native), the ceiling. On 2 cores nothing else should
+run meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +33,45 @@ def sgemm_peak(n: int = 2048, repeats: int = 5) -> float:
     torch.mm(a, b)
     best = min(_seconds(lambda: torch.mm(a, b)) for _ in range(repeats))
     return 2 * n**3 / best / 1e9
+
+
+FMA_LOOP = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <chrono>
+
+typedef float lanes16 __attribute__((vector_size(64)));  // one zmm, or two ymm
+
+// 12 independent chains of a * m + c (contracted to FMAs) on every thread: GFLOP/s.
+double fma_gflops(int64_t iterations) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> sink(threads);
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      lanes16 a[12], m = lanes16{} + 0.999f, c = lanes16{} + 1e-4f;
+      for (int i = 0; i < 12; ++i) a[i] = lanes16{} + static_cast<float>(i);
+      for (int64_t it = 0; it < iterations; ++it)
+        for (int i = 0; i < 12; ++i) a[i] = a[i] * m + c;
+      for (int i = 0; i < 12; ++i) sink[t] += a[i][0];
+    }
+  });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return threads * static_cast<double>(iterations) * 12 * 16 * 2 / s / 1e9;
+}
+"""
+
+
+def fma_peak(iterations: int = 20_000_000) -> float:
+    """GFLOP/s of independent float32 FMAs on every thread, best of 3."""
+    from torch.utils.cpp_extension import load_inline
+
+    module = load_inline(
+        "mashbox_fma_peak", FMA_LOOP, functions=["fma_gflops"],
+        extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+    )  # fmt: skip
+    return max(module.fma_gflops(iterations) for _ in range(3))
 
 
 def _seconds(fn) -> float:
@@ -52,27 +95,44 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--decode-weights", default="int4a16")
+    parser.add_argument(
+        "--torch-attention", action="store_true", help="torch's attention, not the kernel's"
+    )
     args = parser.parse_args()
     ref = resolve(args.model)
     path = fetch(ref, default_models_dir())
     engine = Engine(path, slots=1, ctx=args.tokens + 8, decode_weights=args.decode_weights)
     cfg = engine.model.cfg
-    peak = sgemm_peak()
+    peak, ceiling = sgemm_peak(), fma_peak()
     print(f"{ref.id}, {args.tokens} tokens in chunks of {args.chunk}, {torch.get_num_threads()} "
-          f"threads; float32 sgemm peak here: {peak:.1f} GFLOP/s")  # fmt: skip
+          f"threads; float32 sgemm peak here: {peak:.1f} GFLOP/s, FMA ceiling "
+          f"{ceiling:.1f}")  # fmt: skip
 
     attention_s = 0.0
+
+    def timed(fn):
+        def run(*a, **k):
+            nonlocal attention_s
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            attention_s += time.perf_counter() - t0
+            return out
+
+        return run
+
+    # Attention is the CPU kernels' prefill_attention where the model has it, else torch's.
+    kernels = engine.model.attention_kernels
+    if args.torch_attention or kernels is None:
+        engine.model.attention_kernels = None
+        print("attention: torch's scaled_dot_product_attention")
+    else:
+        engine.model.attention_kernels = SimpleNamespace(
+            prefill_attention=timed(kernels.prefill_attention)
+        )
+        print("attention: mashbox's prefill_attention kernel")
     original = F.scaled_dot_product_attention
-
-    def timed(*a, **k):
-        nonlocal attention_s
-        t0 = time.perf_counter()
-        out = original(*a, **k)
-        attention_s += time.perf_counter() - t0
-        return out
-
+    F.scaled_dot_product_attention = timed(original)
     ids = torch.randint(100, cfg.vocab_size - 100, (args.tokens,), generator=torch.Generator())
-    F.scaled_dot_product_attention = timed
     total = 0.0
     with torch.inference_mode():
         for start in range(0, args.tokens, args.chunk):
@@ -89,13 +149,16 @@ def main() -> None:
     print(f"total {total:.2f} s: {n / total:.0f} tokens/s, "
           f"{(matmul_flop + attention_flop) / total / 1e9:.1f} GFLOP/s overall "
           f"({(matmul_flop + attention_flop) / total / 1e9 / peak:.0%} of sgemm's)")  # fmt: skip
-    for part, flop, seconds in (
-        ("attention", attention_flop, attention_s),
-        ("matmuls and the rest", matmul_flop, rest_s),
+    # Attention is float32 FMAs, so the FMA ceiling bounds it; the 4-bit matmuls are integer
+    # dot products (int16 or int8 activations), which that ceiling does not bound.
+    for part, flop, seconds, bound in (
+        ("attention", attention_flop, attention_s, True),
+        ("matmuls and the rest", matmul_flop, rest_s, False),
     ):
         rate = flop / seconds / 1e9
+        share = f", {rate / ceiling:.0%} of the FMA ceiling" if bound else ""
         print(f"  {part:22} {seconds:7.2f} s  {flop / 1e12:6.2f} TFLOP  {rate:6.1f} GFLOP/s "
-              f"({rate / peak:.0%} of sgemm's)")  # fmt: skip
+              f"({rate / peak:.0%} of sgemm's{share})")  # fmt: skip
 
 
 if __name__ == "__main__":

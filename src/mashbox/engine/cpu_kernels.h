@@ -390,3 +390,5 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
 torch::Tensor q8a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
 torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
 torch::Tensor q4a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
+// Causal attention of a prefill chunk over one slot's cache (prefill_attention.cpp).
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start);

@@ -195,6 +195,26 @@ def self_check(module) -> str | None:
                 got = matmul(x)
                 if not torch.equal(got, want):
                     return f"self-check: {name} is not exact at {m} rows x {n} outputs"
+    return _check_attention(module, g)
+
+
+def _check_attention(module, g: torch.Generator) -> str | None:
+    """prefill_attention against float64 attention: e^x is a polynomial, so within float32
+    rounding rather than exact. Three query heads to a kv head, 20 rows whose keys cross a
+    block of 128, and a chunk starting at 0."""
+    heads, kv_heads, hd = 6, 2, 64
+    for start, rows in ((0, 9), (120, 20)):
+        end = start + rows
+        q = torch.randn(rows, heads, hd, generator=g)
+        k, v = torch.randn(2, kv_heads, end, hd, generator=g).unbind(0)
+        sees = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.double().transpose(0, 1)[None], k.double()[None], v.double()[None],
+            attn_mask=sees, enable_gqa=True,
+        )[0].transpose(0, 1).reshape(rows, -1)  # fmt: skip
+        error = (module.prefill_attention(q, k, v, start).double() - want).abs().max().item()
+        if not error < 1e-5:
+            return f"self-check: prefill_attention is off by {error:.1e} at {start}+{rows}"
     return None
 
 

@@ -31,7 +31,13 @@ import torch
 
 COMPILED = [
     Path(__file__).with_name(name)
-    for name in ("int8_gemm.cpp", "blocks_gemm.cpp", "rounded_gemm.cpp", "decode_layers.cpp")
+    for name in (
+        "int8_gemm.cpp",
+        "blocks_gemm.cpp",
+        "rounded_gemm.cpp",
+        "prefill_attention.cpp",
+        "decode_layers.cpp",
+    )
 ]
 # What a build's record stands for: the code, and the packers and self-check that judged it.
 SOURCES = [
