@@ -17,7 +17,8 @@
 //   the block's scores, their max, e^(score - max) and the values they weigh, the earlier
 //   sum and output rescaled by e^(old max - new max).
 // - Scores are tiles of TILE keys x VECS query vectors, the weighted values tiles of TILE
-//   dims x VECS query vectors: 24 accumulators in AVX-512's 32 registers, 4 of AVX2's 16.
+//   dims x VECS query vectors: 24 accumulators of AVX-512's 32 registers, or 4 (8 ymm) of
+//   AVX2's 16.
 //
 // A query's bits depend on its position and the keys alone, not on the chunk or the block it
 // falls in: blocks start at multiples of KEY_BLOCK from key 0, every sum runs in key or dim
