@@ -36,34 +36,39 @@ def sgemm_peak(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
-FMA_LOOP = r"""
+PEAK_LOOPS = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <chrono>
+
+// Seconds for body(t) run on each of torch's threads t at once.
+template <typename Body>
+double seconds_on_every_thread(const Body& body) {
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) body(t);
+  });
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 typedef float lanes16 __attribute__((vector_size(64)));  // one zmm, or two ymm
 
 // 12 independent chains of a * m + c (contracted to FMAs) on every thread: GFLOP/s.
 double fma_gflops(int64_t iterations) {
-  const int64_t threads = at::get_num_threads();
-  std::vector<float> sink(threads);
-  const auto t0 = std::chrono::steady_clock::now();
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      lanes16 a[12], m = lanes16{} + 0.999f, c = lanes16{} + 1e-4f;
-      for (int i = 0; i < 12; ++i) a[i] = lanes16{} + static_cast<float>(i);
-      for (int64_t it = 0; it < iterations; ++it)
-        for (int i = 0; i < 12; ++i) a[i] = a[i] * m + c;
-      for (int i = 0; i < 12; ++i) sink[t] += a[i][0];
-    }
+  std::vector<float> sink(at::get_num_threads());
+  const double s = seconds_on_every_thread([&](int64_t t) {
+    lanes16 a[12], m = lanes16{} + 0.999f, c = lanes16{} + 1e-4f;
+    for (int i = 0; i < 12; ++i) a[i] = lanes16{} + static_cast<float>(i);
+    for (int64_t it = 0; it < iterations; ++it)
+      for (int i = 0; i < 12; ++i) a[i] = a[i] * m + c;
+    for (int i = 0; i < 12; ++i) sink[t] += a[i][0];
   });
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return threads * static_cast<double>(iterations) * 12 * 16 * 2 / s / 1e9;
+  return sink.size() * static_cast<double>(iterations) * 12 * 16 * 2 / s / 1e9;
 }
 
 // The same for int16 dot products into int32 (what the int4a16 kernels' several rows and
 // q8a16 run on): vpdpwssd, or vpmaddwd and an add without VNNI. GOP/s, 2 a product.
-#include <immintrin.h>
 #if defined(__AVX512F__)
 typedef __m512i words;
 static inline words dot(words acc, words a) {
@@ -86,21 +91,17 @@ static inline words dot(words acc, words a) {
 // Chains enough to hide the latency: 12 reached only ~0.8 a cycle on Zen 5, 24 ~1.2.
 constexpr int CHAINS = sizeof(words) == 64 ? 24 : 12;
 double dot16_gops(int64_t iterations) {
-  const int64_t threads = at::get_num_threads();
-  std::vector<int> sink(threads);
-  const auto t0 = std::chrono::steady_clock::now();
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      words acc[CHAINS], a;
-      std::memset(&a, 1, sizeof a);
-      for (int i = 0; i < CHAINS; ++i) std::memset(&acc[i], i, sizeof acc[i]);
-      for (int64_t it = 0; it < iterations; ++it)
-        for (int i = 0; i < CHAINS; ++i) acc[i] = dot(acc[i], a);
-      for (int i = 0; i < CHAINS; ++i) sink[t] += reinterpret_cast<const int*>(&acc[i])[0];
-    }
+  std::vector<int> sink(at::get_num_threads());
+  const double s = seconds_on_every_thread([&](int64_t t) {
+    words acc[CHAINS], a;
+    std::memset(&a, 1, sizeof a);
+    for (int i = 0; i < CHAINS; ++i) std::memset(&acc[i], i, sizeof acc[i]);
+    for (int64_t it = 0; it < iterations; ++it)
+      for (int i = 0; i < CHAINS; ++i) acc[i] = dot(acc[i], a);
+    for (int i = 0; i < CHAINS; ++i) sink[t] += reinterpret_cast<const int*>(&acc[i])[0];
   });
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return threads * static_cast<double>(iterations) * CHAINS * (sizeof(words) / 2) * 2 / s / 1e9;
+  return sink.size() * static_cast<double>(iterations) * CHAINS * (sizeof(words) / 2) * 2 / s /
+         1e9;
 }
 """
 
@@ -111,7 +112,7 @@ def peaks(iterations: int = 10_000_000) -> tuple[float, float]:
     from torch.utils.cpp_extension import load_inline
 
     module = load_inline(
-        "mashbox_isa_peaks", FMA_LOOP, functions=["fma_gflops", "dot16_gops"],
+        "mashbox_isa_peaks", PEAK_LOOPS, functions=["fma_gflops", "dot16_gops"],
         extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
     )  # fmt: skip
