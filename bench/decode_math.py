@@ -5,9 +5,10 @@
 
 A DecodeStack (decode_layers.cpp) of each model's shape (layers, heads, kv heads, head_dim
 64) with random int8 weights, its FFN cut to 256 wide (--ffn: the attention is what is
-measured), and a float32 KV cache holding random keys and values. At each context n the step
+measured), and a KV cache (--kv-dtype: float16, the default where the kernels attend, or
+float32) holding random keys and values. At each context n the step
 is timed at position n - 1 (best of --steps) less the step at position 0: what attending
-over n positions costs. Its physical limit is reading K and V, 2 * n * head_dim * 4 bytes per
+over n positions costs. Its physical limit is reading K and V, 2 * n * head_dim * 2 or 4 bytes per
 kv head per layer per row, at the memory read bandwidth (measured here, beside each timing as
 other processes share it: a 512 MB tensor's sum, best of 3); printed beside it, GB/s and the
 fraction of that bandwidth.
@@ -94,17 +95,18 @@ def best_step_s(stack, shape: Shape, cache: tuple, position: int, batch: int, st
     return min(times)
 
 
-def kv_cache(shape: Shape, n: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_cache(shape: Shape, n: int, batch: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     size = (shape.layers, batch, shape.kv_heads, n, shape.head_dim)
     g = torch.Generator().manual_seed(2)
-    return torch.randn(size, generator=g), torch.randn(size, generator=g)
+    return torch.randn(size, generator=g).to(dtype), torch.randn(size, generator=g).to(dtype)
 
 
 def attention_row(stack, shape: Shape, n: int, cache: tuple, args) -> dict:
     """One build at context n: the step at position n - 1, at 0, and what attending costs."""
     base = best_step_s(stack, shape, cache, 0, args.batch, args.steps)
     step = best_step_s(stack, shape, cache, n - 1, args.batch, args.steps)
-    kv_bytes = 2 * n * shape.head_dim * 4 * shape.kv_heads * shape.layers * args.batch
+    kv_bytes = 2 * n * shape.head_dim * cache[0].element_size() * shape.kv_heads * shape.layers
+    kv_bytes *= args.batch
     return {"base": base, "step": step, "bytes": kv_bytes}
 
 
@@ -131,6 +133,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--ffn", type=int, default=256)
+    parser.add_argument("--kv-dtype", choices=["float16", "float32"], default="float16")
     parser.add_argument("--threads", type=int, help="torch's threads (default: its own)")
     parser.add_argument("--before", type=Path, help="an earlier revision's kernel sources")
     args = parser.parse_args()
@@ -142,7 +145,8 @@ def main() -> None:
         builds = {"before": build_before(args.before), **builds}
     print(
         f"kernels {cpu_kernels.report().kernels}; {torch.get_num_threads()} threads; "
-        f"batch {args.batch}; load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+        f"batch {args.batch}; {args.kv_dtype} KV; load average "
+        + " ".join(f"{x:.2f}" for x in os.getloadavg())
     )
     print(
         f"{'shape':13} {'context':>7} {'build':7} {'step ms':>8} {'at 0 ms':>8} "
@@ -154,7 +158,7 @@ def main() -> None:
             b: decode_stack(m, shape, args.ffn, max(args.contexts)) for b, m in builds.items()
         }
         for n in args.contexts:
-            cache = kv_cache(shape, n, args.batch)
+            cache = kv_cache(shape, n, args.batch, getattr(torch, args.kv_dtype))
             for build, stack in stacks.items():
                 # the bandwidth beside each measurement: other processes share the memory
                 bandwidth = read_bandwidth_gbs()

@@ -143,13 +143,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--decode-weights", default="int4a16")
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "float16", "float32"])
     parser.add_argument(
         "--torch-attention", action="store_true", help="torch's attention, not the kernel's"
     )
     args = parser.parse_args()
     ref = resolve(args.model)
     path = fetch(ref, default_models_dir())
-    engine = Engine(path, slots=1, ctx=args.tokens + 8, decode_weights=args.decode_weights)
+    engine = Engine(
+        path,
+        slots=1,
+        ctx=args.tokens + 8,
+        decode_weights=args.decode_weights,
+        kv_dtype=args.kv_dtype,
+    )
     cfg = engine.model.cfg
     peak, (ceiling, dot16) = sgemm_peak(), peaks()
     print(f"{ref.id}, {args.tokens} tokens in chunks of {args.chunk}, {torch.get_num_threads()} "

@@ -1,6 +1,7 @@
 """Time one engine decode step per decode-weights kind and batch size, and profile one.
 
     python bench/step_profile.py [--model PATH] [--kinds float int8 int4] [--batches 1 4 8]
+                                 [--context N] [--kv-dtype auto float32]
 
 The Engine alone (no server): each slot is prefilled with the same 64-token prompt, then
 decode steps are timed at each batch size (min and median over --steps steps; the machine
@@ -9,11 +10,15 @@ self CPU time) of one batch-1 decode step of the last kind, and, where that kind
 through DecodeStack (one C++ call the profiler cannot see into), where its milliseconds go:
 the whole stack, its layer matmuls alone (same matrices, same kernels; the rest of the stack
 is attention, norms, RoPE and residuals), the output head, and sampling.
+
+--context N times the steps at position N instead (the KV cache filled with random keys and
+values: an agent's long conversation, without prefilling it), once per --kv-dtype.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import time
@@ -31,13 +36,18 @@ DEFAULT = default_models_dir() / DEFAULT_MODEL / known_models()[DEFAULT_MODEL]["
 PROMPT = tuple(range(1000, 1064))
 
 
-def prepare(path: Path, kind: str, slots: int) -> Engine:
-    engine = Engine(path, slots=slots, ctx=1024, decode_weights=kind)
+def prepare(path: Path, kind: str, slots: int, context: int = 0, kv_dtype="auto") -> Engine:
+    engine = Engine(
+        path, slots=slots, ctx=max(1024, context + 64), decode_weights=kind, kv_dtype=kv_dtype
+    )
     greedy = SamplingParams()
     for s in range(slots):
         engine.step(
             Step(admits=(Admit(s, greedy, PROMPT),), prefills=(Prefill(s, 0, PROMPT, True),))
         )
+    if context:  # what a long prompt would have left there, as far as speed goes
+        engine.cache.k.normal_()
+        engine.cache.v.normal_()
     return engine
 
 
@@ -104,15 +114,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--top", type=int, default=15, help="rows of the profiler table")
     parser.add_argument("--profile-batch", type=int, default=1, help="batch size to profile")
+    parser.add_argument("--context", type=int, default=0, help="decode at this position")
+    parser.add_argument("--kv-dtype", nargs="+", default=["auto"], dest="kv_dtypes")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, load {os.getloadavg()}")
     engine = None
-    for kind in args.kinds:
+    for kind, kv_dtype in itertools.product(args.kinds, args.kv_dtypes):
         t0 = time.perf_counter()
-        engine = prepare(args.model, kind, max(args.batches))
-        print(f"{kind}: loaded and prefilled in {time.perf_counter() - t0:.1f} s")
-        position = len(PROMPT)
+        engine = prepare(args.model, kind, max(args.batches), args.context, kv_dtype)
+        print(
+            f"{kind}, {engine.info.kv_dtype} KV: loaded and prefilled in "
+            f"{time.perf_counter() - t0:.1f} s"
+        )
+        position = args.context or len(PROMPT)
         for batch in args.batches:
             times = time_steps(engine, batch, position, args.steps)
             position += args.steps + 1

@@ -13,6 +13,7 @@ from mashbox.engine.engine import Engine
 from mashbox.engine.int4 import EXACT_QTYPES, Int4Weight, unpack
 from mashbox.engine.int8_weight import Int8Weight
 from mashbox.engine.model import DECODE_MATRICES
+from support.decode_steps import STEPS, TEXT_PROMPTS, greedy_logits
 from support.tinymodels import no_tokenizer, random_weights, write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -135,35 +136,6 @@ def test_real_q4_1_blocks_load_exactly(real):
         assert_bf16_bound(Int4Weight(ref, blocks, ours=False), ref, blocks)
 
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
-    "Water boils at",
-]
-STEPS = 32
-
-
-@torch.inference_mode()
-def greedy_logits(engine: Engine, prompts: list[list[int]], forced=None) -> torch.Tensor:
-    """Logits [prompts, STEPS, vocab] of greedy decoding, all prompts as one decode batch;
-    with `forced` [prompts, STEPS], feed those tokens instead of the engine's own."""
-    model, cache = engine.model, engine.cache
-    first = [
-        model.logits(model.prefill(cache, s, 0, torch.tensor(p))[None])[0]
-        for s, p in enumerate(prompts)
-    ]
-    rows = [torch.stack(first)]
-    slots = list(range(len(prompts)))
-    for i in range(STEPS - 1):
-        ids = forced[:, i] if forced is not None else rows[-1].argmax(-1)
-        positions = torch.tensor([len(p) + i for p in prompts])
-        rows.append(model.logits(model.decode(cache, slots, ids, positions)))
-    return torch.stack(rows, dim=1)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int4", "int4a16", "int4a8", "int8"])
 def test_real_greedy_against_float32(kind, real):
@@ -172,13 +144,17 @@ def test_real_greedy_against_float32(kind, real):
     from mashbox.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(real)
-    prompts = [tok.encode(p) for p in PROMPTS]
+    prompts = [tok.encode(p) for p in TEXT_PROMPTS]
     ref = greedy_logits(Engine(real, slots=len(prompts), ctx=128), prompts)
     tokens = ref.argmax(-1)
     # The fast path fed the float32 path's tokens: its free-running text is the same up to
     # the first step where its pick differs, and then it is another text.
+    # A float32 KV cache as the reference's: what the weights alone change (the float16
+    # cache's own share: test_kv_dtype.py).
     fast = greedy_logits(
-        Engine(real, slots=len(prompts), ctx=128, decode_weights=kind), prompts, tokens
+        Engine(real, slots=len(prompts), ctx=128, decode_weights=kind, kv_dtype="float32"),
+        prompts,
+        tokens,
     )
     differs = fast.argmax(-1) != tokens
     top2 = ref.topk(2, dim=-1).values

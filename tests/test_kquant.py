@@ -200,7 +200,9 @@ def engine(request, tmp_path_factory):
         path = write_gguf(
             tmp_path_factory.mktemp("q4k") / "m.gguf", w, no_tokenizer, qtype_of=qtype_of
         )
-    engine = Engine(path, slots=4, ctx=64, decode_weights=request.param)
+    # A float32 KV cache: the kernels' weights compared alone (a float16 cache's own
+    # rounding: test_decode_stack.py).
+    engine = Engine(path, slots=4, ctx=64, decode_weights=request.param, kv_dtype="float32")
     assert engine.model.decode_stack is not None and engine.model.decode_kind == request.param
     prefill(engine)
     return engine

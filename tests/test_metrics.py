@@ -287,6 +287,7 @@ async def test_nothing_compiles_after_ready_at_any_batch_size(server):
     card = httpx.get(server.url + "/v1/models").json()["data"][0]
     # auto on a CPU: the file's own blocks; this one's matrices are Q8_0 (its norms F32).
     assert card["decode_weights"] == ("q8_0" if cpu_kernels.load() else "float")
+    assert card["kv_dtype"] == ("float16" if cpu_kernels.load() else "float32")
 
     async def complete(client: httpx.AsyncClient, tokens: int) -> None:
         body = {"prompt": f"Count {tokens}", "max_tokens": tokens, "ignore_eos": True}

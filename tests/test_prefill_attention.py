@@ -1,6 +1,7 @@
 """A prefill chunk's causal attention in the CPU kernels (prefill_attention.cpp) against
 float64 softmax attention, and the promise that lets chunked and cached prompts agree: a row's
-bits depend on its position and the keys alone."""
+bits depend on its position and the keys alone. Over a float16 cache, exactly what it computes
+over a float32 one holding the same values."""
 
 from __future__ import annotations
 
@@ -68,6 +69,19 @@ def test_a_row_has_the_same_bits_in_any_chunking(shape):
         assert torch.equal(torch.cat(parts), whole), cuts
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_a_float16_cache_gives_the_float32_caches_bits_for_its_values(shape):
+    """Keys and values are widened exactly, so the same sums of the same numbers; the NaN
+    positions past the chunk stay unread in float16 too."""
+    q, k, v = problem(*shape, 300, seed=3)
+    k16, v16 = k.half(), v.half()
+    for start in (0, 5, 128, 170):
+        got = kernel.prefill_attention(q[start:], k16, v16, start)
+        widened = kernel.prefill_attention(q[start:], k16.float(), v16.float(), start)
+        assert torch.equal(got, widened)
+        assert not got.isnan().any()
+
+
 def test_bad_shapes_are_refused_not_read_past():
     q, k, v = problem(4, 2, 64, 10)
     with pytest.raises(RuntimeError, match="past the cache"):
@@ -76,6 +90,10 @@ def test_bad_shapes_are_refused_not_read_past():
         kernel.prefill_attention(q[:, :3], k, v, 0)  # 3 query heads over 2 kv heads
     with pytest.raises(RuntimeError, match="float32"):
         kernel.prefill_attention(q.double(), k, v, 0)
+    with pytest.raises(RuntimeError, match="both float16"):
+        kernel.prefill_attention(q, k.half(), v, 0)  # one cache of each kind
+    with pytest.raises(RuntimeError, match="both float16"):
+        kernel.prefill_attention(q, k.bfloat16(), v.bfloat16(), 0)
 
 
 def test_both_vector_widths_give_the_same_bits():
@@ -88,17 +106,24 @@ def test_both_vector_widths_give_the_same_bits():
     for shape in SHAPES:
         q, k, v = problem(*shape, 200, seed=2)
         for start in (0, 70):
-            wide = kernel.prefill_attention(q[start:], k, v, start)
-            assert torch.equal(narrow.prefill_attention(q[start:], k, v, start), wide), shape
+            for keys, values in ((k, v), (k.half(), v.half())):
+                wide = kernel.prefill_attention(q[start:], keys, values, start)
+                got = narrow.prefill_attention(q[start:], keys, values, start)
+                assert torch.equal(got, wide), (shape, keys.dtype)
 
 
-def test_a_models_prefill_takes_it_and_agrees_with_torch(tmp_path):
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
+def test_a_models_prefill_takes_it_and_agrees_with_torch(tmp_path, kv_dtype):
     """Model.prefill_many with the kernel and with torch's attention: the same hidden states
-    up to float32 rounding, several slots' chunks in one forward."""
+    up to float32 rounding, several slots' chunks in one forward. Over a float16 cache a key
+    a hair either side of a rounding boundary lands one float16 step apart, and the next
+    layers read it: 1e-3 there."""
     w = random_weights(vocab=97, d_model=256, n_heads=4, n_kv_heads=2, seed=3)
     path = write_gguf(tmp_path / "m.gguf", w, no_tokenizer, n_heads=4, n_kv_heads=2)
-    engine = Engine(path, slots=2, ctx=400, decode_weights="int8")
+    engine = Engine(path, slots=2, ctx=400, decode_weights="int8", kv_dtype=kv_dtype)
     model, cache = engine.model, engine.cache
+    assert cache.k.dtype == getattr(torch, kv_dtype)
+    tolerance = 1e-3 if kv_dtype == "float16" else 1e-4
     assert model.attention_kernels is not None
     g = torch.Generator().manual_seed(4)
     ids = [torch.randint(0, 97, (n,), generator=g) for n in (300, 90)]
@@ -115,4 +140,4 @@ def test_a_models_prefill_takes_it_and_agrees_with_torch(tmp_path):
     finally:
         model.attention_kernels = kernels
     for got, want in zip(fused, torch_ops, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)

@@ -194,7 +194,9 @@ def engine(request, tmp_path_factory):
         path = write_gguf(
             tmp_path_factory.mktemp("q5q6") / "m.gguf", w, no_tokenizer, qtype_of=qtype_of
         )
-    engine = Engine(path, slots=4, ctx=64, decode_weights=request.param)
+    # A float32 KV cache: the kernels' weights compared alone (a float16 cache's own
+    # rounding: test_decode_stack.py).
+    engine = Engine(path, slots=4, ctx=64, decode_weights=request.param, kv_dtype="float32")
     assert engine.model.decode_stack is not None
     prefill(engine)
     return engine

@@ -74,6 +74,15 @@ def _parser() -> argparse.ArgumentParser:
         "int4a16 on a CPU where mashbox's kernels build, float elsewhere)",
     )
     run.add_argument(
+        "--kv-dtype",
+        choices=["auto", "float16", "float32"],
+        default=d.kv_dtype,
+        help="what the KV cache holds on a CPU: float16 (half the memory, and half the bytes a "
+        "decode step reads at long context; llama-server's default) or float32 (exact: keys and "
+        "values as computed) (default auto: float16 where mashbox's kernels attend, the "
+        "model's dtype elsewhere)",
+    )
+    run.add_argument(
         "--cache-ram",
         type=int,
         dest="cache_ram_mib",

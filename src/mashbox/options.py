@@ -28,6 +28,7 @@ class ServeOptions:
     cache_dir: Path | None = None  # the prompt cache on disk, kept across restarts; None: off
     cache_dir_mib: int = DEFAULT_CACHE_DIR_MIB
     decode_weights: str = "auto"
+    kv_dtype: str = "auto"
     allowed_hosts: tuple[str, ...] = ()
     ui: bool = False  # the chat page on /
     tenant_slots: int | None = None  # None: an equal share among the key file's tenants

@@ -225,6 +225,7 @@ class EngineInfo:
     vocab_size: int
     max_context: int  # what the model was trained for
     ctx: int  # tokens per slot this engine runs
+    kv_dtype: str = ""  # what the KV cache holds: float16 where the CPU kernels attend
     kv_bytes_per_token: int = 0  # K and V of one position, all layers
     decode_bytes: int = 0  # weight bytes one decode step reads
     decode_weights: str = "float"  # float, int8, int4, int4a16, int4a8, q8_0

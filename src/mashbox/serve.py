@@ -158,6 +158,7 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
             device=opts.device,
             threads=opts.threads,
             decode_weights=opts.decode_weights,
+            kv_dtype=opts.kv_dtype,
             cache_dir=opts.cache_dir,
             cache_dir_bytes=opts.cache_dir_mib * 2**20,
             model_sha=weights,
@@ -202,8 +203,8 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
             info.kernels_fallback,
         )
     log.info(
-        "ready in %.1f s: %s (%s, %.0fM params, %s on %s), decode %s, %d slots x %d tokens, "
-        "host prompt cache %d MiB",
+        "ready in %.1f s: %s (%s, %.0fM params, %s on %s), decode %s, %d slots x %d tokens "
+        "of %s KV, host prompt cache %d MiB",
         time.monotonic() - t0,
         ref.id,
         info.arch,
@@ -213,6 +214,7 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
         info.decode,
         opts.slots,
         info.ctx,
+        info.kv_dtype,
         opts.cache_ram_mib,
     )
 

@@ -54,6 +54,7 @@ class WorkerProcess:
         device: str,
         threads: int,
         decode_weights="float",
+        kv_dtype="auto",
         cache_dir=None,
         cache_dir_bytes: int = 0,
         model_sha: str = "",
@@ -61,7 +62,7 @@ class WorkerProcess:
         """cache_dir: the prompt cache on disk (off: None), at most cache_dir_bytes; its files
         are valid for model_sha (the weights' checksum, as the server's identity has it)."""
         cache_dir = str(cache_dir) if cache_dir is not None else None
-        self._args = (str(path), slots, ctx, device, threads, decode_weights)
+        self._args = (str(path), slots, ctx, device, threads, decode_weights, kv_dtype)
         self._args += (cache_dir, cache_dir_bytes, model_sha)
         self._conn = None
         self._process = None

@@ -1,5 +1,6 @@
 """Decode steps of an Engine's prefilled slots, fused (DecodeStack) or through the torch ops,
-leaving its KV caches as they were: what the kernel tests compare."""
+leaving its KV caches as they were: what the kernel tests compare. And greedy decoding's
+logits on a real model, what its decode weights or KV dtype are measured by."""
 
 from __future__ import annotations
 
@@ -38,3 +39,32 @@ def decode_with_caches(engine, slots: list[int], fused: bool, prompts: dict = PR
 def decode(engine, slots: list[int], fused: bool) -> torch.Tensor:
     """The hidden states of decode_with_caches alone."""
     return decode_with_caches(engine, slots, fused)[0]
+
+
+TEXT_PROMPTS = [  # for a real model's tokenizer
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "Water boils at",
+]
+STEPS = 32
+
+
+@torch.inference_mode()
+def greedy_logits(engine, prompts: list[list[int]], forced=None) -> torch.Tensor:
+    """Logits [prompts, STEPS, vocab] of greedy decoding, all prompts as one decode batch;
+    with `forced` [prompts, STEPS], feed those tokens instead of the engine's own."""
+    model, cache = engine.model, engine.cache
+    first = [
+        model.logits(model.prefill(cache, s, 0, torch.tensor(p))[None])[0]
+        for s, p in enumerate(prompts)
+    ]
+    rows = [torch.stack(first)]
+    slots = list(range(len(prompts)))
+    for i in range(STEPS - 1):
+        ids = forced[:, i] if forced is not None else rows[-1].argmax(-1)
+        positions = torch.tensor([len(p) + i for p in prompts])
+        rows.append(model.logits(model.decode(cache, slots, ids, positions)))
+    return torch.stack(rows, dim=1)

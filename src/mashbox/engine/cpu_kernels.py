@@ -201,12 +201,13 @@ def self_check(module) -> str | None:
 def _check_attention(module, g: torch.Generator) -> str | None:
     """prefill_attention against float64 attention: e^x is a polynomial, so within float32
     rounding rather than exact. Three query heads to a kv head, 20 rows whose keys cross a
-    block of 128, and a chunk starting at 0."""
+    block of 128, and a chunk starting at 0; a float32 cache, then a float16 one (its values
+    widened exactly, so the same bound against them in float64)."""
     heads, kv_heads, hd = 6, 2, 64
-    for start, rows in ((0, 9), (120, 20)):
+    for start, rows, kv_dtype in ((0, 9, torch.float32), (120, 20, torch.float16)):
         end = start + rows
         q = torch.randn(rows, heads, hd, generator=g)
-        k, v = torch.randn(2, kv_heads, end, hd, generator=g).unbind(0)
+        k, v = torch.randn(2, kv_heads, end, hd, generator=g).to(kv_dtype).unbind(0)
         sees = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
         want = torch.nn.functional.scaled_dot_product_attention(
             q.double().transpose(0, 1)[None], k.double()[None], v.double()[None],
@@ -214,7 +215,10 @@ def _check_attention(module, g: torch.Generator) -> str | None:
         )[0].transpose(0, 1).reshape(rows, -1)  # fmt: skip
         error = (module.prefill_attention(q, k, v, start).double() - want).abs().max().item()
         if not error < 1e-5:
-            return f"self-check: prefill_attention is off by {error:.1e} at {start}+{rows}"
+            return (
+                f"self-check: prefill_attention is off by {error:.1e} at {start}+{rows} "
+                f"over a {kv_dtype} cache"
+            )
     return None
 
 

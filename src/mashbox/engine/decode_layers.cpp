@@ -97,18 +97,31 @@ class DecodeStack {
     }
   }
 
-  // x: [B, d_model] embeddings; positions and slots: int64 [B]; caches: float32
-  // [layers, slots, kv_heads, ctx, head_dim]. Writes each row's k and v at its position and
-  // returns the final-normed hidden states [B, d_model].
+  // x: [B, d_model] embeddings; positions and slots: int64 [B]; caches: float32 or float16
+  // [layers, slots, kv_heads, ctx, head_dim]. Writes each row's k and v at its position (as
+  // torch rounds them to float16) and returns the final-normed hidden states [B, d_model].
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots,
                         torch::Tensor cache_k, torch::Tensor cache_v) {
-    TORCH_CHECK(x.dtype() == torch::kFloat && cache_k.dtype() == torch::kFloat &&
-                cache_v.dtype() == torch::kFloat && cache_k.is_contiguous() &&
+    const auto kind = cache_k.scalar_type();
+    TORCH_CHECK(x.dtype() == torch::kFloat && (kind == torch::kFloat || kind == torch::kHalf) &&
+                cache_v.scalar_type() == kind && cache_k.is_contiguous() &&
                 cache_v.is_contiguous() && cache_k.size(4) == head_dim_);
+    if (kind == torch::kHalf)
+      return step(x, positions, slots, reinterpret_cast<uint16_t*>(cache_k.data_ptr<at::Half>()),
+                  reinterpret_cast<uint16_t*>(cache_v.data_ptr<at::Half>()), cache_k.sizes());
+    return step(x, positions, slots, cache_k.data_ptr<float>(), cache_v.data_ptr<float>(),
+                cache_k.sizes());
+  }
+
+ private:
+  // forward's step over caches of T: float, or uint16_t (float16 bits).
+  template <typename T>
+  torch::Tensor step(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, T* kc,
+                     T* vc, at::IntArrayRef cache_shape) {
     x = x.contiguous().clone();
     const int64_t B = x.size(0), D = x.size(1), hd = head_dim_, half = hd / 2;
     const int64_t nh = n_heads_, nkv = n_kv_heads_;
-    const int64_t n_slots = cache_k.size(1), ctx = cache_k.size(3);
+    const int64_t n_slots = cache_shape[1], ctx = cache_shape[3];
     const int64_t row_stride = nkv * ctx * hd, layer_stride = n_slots * row_stride;
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* slot = slots.data_ptr<int64_t>();
@@ -122,10 +135,8 @@ class DecodeStack {
     std::vector<float> h(B * D), qkv(B * n_qkv), att(B * nh * hd), gu(B * 2 * ffn), act(B * ffn),
         y(B * D);
     float* xs = x.data_ptr<float>();
-    float* kc = cache_k.data_ptr<float>();
-    float* vc = cache_v.data_ptr<float>();
     decode_math::CacheAttention attention(nh, nkv, hd);
-    std::vector<const float*> k_rows(B), v_rows(B);
+    std::vector<const T*> k_rows(B), v_rows(B);
 
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& w = layers_[l];
@@ -148,8 +159,8 @@ class DecodeStack {
         }
         for (int64_t kh = 0; kh < nkv; ++kh) {
           const int64_t at = l * layer_stride + slot[b] * row_stride + (kh * ctx + pos[b]) * hd;
-          std::copy_n(r + (nh + kh) * hd, hd, kc + at);
-          std::copy_n(r + (nh + nkv + kh) * hd, hd, vc + at);
+          decode_math::put(kc + at, r + (nh + kh) * hd, hd);
+          decode_math::put(vc + at, r + (nh + nkv + kh) * hd, hd);
         }
       }
       for (int64_t b = 0; b < B; ++b) {
@@ -173,7 +184,6 @@ class DecodeStack {
     return out;
   }
 
- private:
   std::vector<Layer> layers_;
   torch::Tensor final_norm_, cos_, sin_;
   int64_t n_heads_, n_kv_heads_, head_dim_;

@@ -1,6 +1,6 @@
 // The float math of a decode step beside its matmuls (decode_layers.cpp): RMS norms, RoPE,
-// residual adds, SiLU and softmax attention over a float32 KV cache, at the vector width the
-// matmul kernels use.
+// residual adds, SiLU and softmax attention over a float32 or float16 KV cache, at the vector
+// width the matmul kernels use.
 #pragma once
 #include "cpu_kernels.h"
 
@@ -117,6 +117,40 @@ static inline __m256 fold8(f32x16 x) { return _mm256_add_ps(x.lo, x.hi); }
 static inline float first_lane(f32x16 x) { return _mm256_cvtss_f32(x.lo); }
 #endif
 
+// A float16 KV cache's values (IEEE half bits as uint16_t): widened exactly on load, rounded
+// to nearest even on store, as torch converts float32 to float16 (the same bits either way).
+#if defined(__AVX512F__)
+static inline f32x16 load(const uint16_t* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+static inline void store(uint16_t* p, f32x16 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#else
+static inline f32x16 load(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+static inline void store(uint16_t* p, f32x16 x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x.lo, _MM_FROUND_TO_NEAREST_INT));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8),
+                   _mm256_cvtps_ph(x.hi, _MM_FROUND_TO_NEAREST_INT));
+}
+#endif
+static inline f32x16 load(const uint16_t* p, int64_t n) {  // the first n lanes, the rest 0
+  if (n >= 16) return load(p);
+  uint16_t part[16] = {};
+  std::copy_n(p, n, part);
+  return load(part);
+}
+static inline void store(uint16_t* p, f32x16 x, int64_t n) {
+  if (n >= 16) return store(p, x);
+  uint16_t part[16];
+  store(part, x);
+  std::copy_n(part, n, p);
+}
+
 // The 16 lanes' sum: lane i + lane i + 8, then + 4, then adjacent pairs, then those two.
 static inline float hsum(f32x16 x) {
   const __m256 v = fold8(x);
@@ -155,7 +189,8 @@ static inline void by16(int64_t n, const F& f) {
   for (int64_t i = 0; i < n; i += 16) f(i, std::min<int64_t>(16, n - i));
 }
 
-static inline float dot(const float* a, const float* b, int64_t n) {
+template <typename T>  // b float32 or float16
+static inline float dot(const float* a, const T* b, int64_t n) {
   f32x16 s = zeros();
   by16(n, [&](int64_t i, int64_t c) { s = fmadd(load(a + i, c), load(b + i, c), s); });
   return hsum(s);
@@ -179,6 +214,12 @@ static inline void rope(float* x, const float* cos, const float* sin, int64_t ha
   });
 }
 
+// n floats into a cache row of float32 or float16 (rounded to nearest even).
+template <typename T>
+static inline void put(T* dst, const float* src, int64_t n) {
+  by16(n, [&](int64_t i, int64_t c) { store(dst + i, load(src + i, c), c); });
+}
+
 static inline void add_into(float* x, const float* y, int64_t n) {
   by16(n, [&](int64_t i, int64_t c) { store(x + i, add(load(x + i, c), load(y + i, c)), c); });
 }
@@ -193,9 +234,9 @@ static inline void silu_mul(const float* gu, float* out, int64_t n) {
   });
 }
 
-// ---- Softmax attention over a float32 KV cache ------------------------------------------------
-// A decode step's attention reads every cached key and value once (2 * n * head_dim * 4 bytes
-// per kv head): at long context it is bound by memory bandwidth. So the query heads that share
+// ---- Softmax attention over a float32 or float16 KV cache ----------------------------------
+// A decode step's attention reads every cached key and value once (2 * n * head_dim * 4 or 2
+// bytes per kv head): at long context it is bound by memory bandwidth. So the query heads that share
 // a kv head (GQA) are taken together, each few positions' keys and values read from memory
 // once for all of them, and a row's positions are cut into chunks of ATTENTION_CHUNK that the
 // threads take one at a time (so one long row keeps both cores busy), each chunk's softmax
@@ -214,23 +255,33 @@ static inline float largest(const float* x, int64_t n) {  // exact, in any order
   return top;
 }
 
+// n floats of a cache at p as float32: p itself, or (float16) widened into `room`, so that
+// the query heads sharing a kv head read each key and value widened once.
+static inline const float* widened(const float* p, int64_t, float*) { return p; }
+static inline const float* widened(const uint16_t* p, int64_t n, float* room) {
+  by16(n, [&](int64_t i, int64_t c) { store(room + i, load(p + i, c), c); });
+  return room;
+}
+
 // The `group` query heads' (head_dim apart) scaled scores over `len` positions into scores[h *
 // ATTENTION_CHUNK + t], their maxima into top[h]. HB: head_dim / 16 if known when compiled
 // (16 positions' keys then read once for all the heads, their 16 sums finished together),
 // else 0. Both give dot()'s bits.
-template <int HB>
-static void scores_of(const float* q, int64_t group, const float* k, int64_t len, int64_t hd,
+template <int HB, typename T>
+static void scores_of(const float* q, int64_t group, const T* k, int64_t len, int64_t hd,
                       float scale, float* scores, float* top) {
   int64_t t0 = 0;
   if constexpr (HB > 0) {
+    alignas(64) float room[16 * 16 * HB];
     for (; t0 + 16 <= len; t0 += 16) {
+      const float* keys = widened(k + t0 * hd, 16 * hd, room);
       for (int64_t h = 0; h < group; ++h) {
         f32x16 qb[HB], acc[16];
         for (int j = 0; j < HB; ++j) qb[j] = load(q + h * hd + 16 * j);
         _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) {
           acc[i] = zeros();
           _Pragma("GCC unroll 16") for (int j = 0; j < HB; ++j)
-            acc[i] = fmadd(qb[j], load(k + (t0 + i) * hd + 16 * j), acc[i]);
+            acc[i] = fmadd(qb[j], load(keys + i * hd + 16 * j), acc[i]);
         }
         const f32x16 s = mul(hsums(acc), splat(scale));
         store(scores + h * ATTENTION_CHUNK + t0, s);
@@ -266,8 +317,8 @@ constexpr int64_t VALUE_BLOCK = 32;  // positions whose values stay in L1 for al
 
 // o_h += sum over u in [u0, u1) of p_h[u] * v[u] for H heads at once (p_h ATTENTION_CHUNK
 // apart, o_h o_stride apart): H * HB sums in registers, each over positions in order.
-template <int HB, int H>
-static void weigh_values(const float* p, const float* v, int64_t u0, int64_t u1, int64_t hd,
+template <int HB, int H, typename T>
+static void weigh_values(const float* p, const T* v, int64_t u0, int64_t u1, int64_t hd,
                          float* o, int64_t o_stride) {
   f32x16 acc[H][HB];
   for (int h = 0; h < H; ++h)
@@ -285,8 +336,8 @@ static void weigh_values(const float* p, const float* v, int64_t u0, int64_t u1,
 }
 
 // The same for `heads` heads, H at a time while enough are left, then fewer.
-template <int HB, int H>
-static void weigh_values_of(const float* p, const float* v, int64_t u0, int64_t u1, int64_t hd,
+template <int HB, int H, typename T>
+static void weigh_values_of(const float* p, const T* v, int64_t u0, int64_t u1, int64_t hd,
                             int64_t heads, float* o, int64_t o_stride) {
   int64_t h = 0;
   for (; h + H <= heads; h += H)
@@ -299,8 +350,8 @@ static void weigh_values_of(const float* p, const float* v, int64_t u0, int64_t 
 // The `group` query heads sharing one kv head over one chunk of `len` positions: per head the
 // scores' max m, the sum s of e^(score - m), and o = sum of e^(score - m) * v (unnormalized),
 // as [m, s, o...] at partials + head * stride.
-template <int HB>
-static void attend_chunk(const float* q, int64_t group, const float* k, const float* v,
+template <int HB, typename T>
+static void attend_chunk(const float* q, int64_t group, const T* k, const T* v,
                          int64_t len, int64_t hd, float scale, float* partials, int64_t stride) {
   thread_local std::vector<float> weights, top;  // resize keeps their memory
   weights.resize(group * ATTENTION_CHUNK);
@@ -312,10 +363,13 @@ static void attend_chunk(const float* q, int64_t group, const float* k, const fl
     std::fill_n(partials + h * stride + 2, hd, 0.0f);
   }
   if constexpr (HB > 0) {
-    for (int64_t u = 0; u < len; u += VALUE_BLOCK)
-      weigh_values_of<HB, (HB <= 4 ? 4 : 2)>(weights.data(), v, u,
-                                            std::min(len, u + VALUE_BLOCK), hd, group,
+    alignas(64) float room[VALUE_BLOCK * 16 * HB];
+    for (int64_t u = 0; u < len; u += VALUE_BLOCK) {
+      const int64_t n = std::min(len - u, VALUE_BLOCK);
+      const float* values = widened(v + u * hd, n * hd, room);
+      weigh_values_of<HB, (HB <= 4 ? 4 : 2)>(weights.data() + u, values, 0, n, hd, group,
                                             partials + 2, stride);
+    }
   } else {
     for (int64_t h = 0; h < group; ++h) {
       const float* p = weights.data() + h * ATTENTION_CHUNK;
@@ -353,10 +407,12 @@ class CacheAttention {
       : heads_(heads), kv_heads_(kv_heads), hd_(head_dim),
         scale_(1.0f / std::sqrt(static_cast<float>(head_dim))) {}
 
-  // q: row b's query heads at q + b * q_stride, head_dim apart; k[b], v[b]: its cache row,
-  // kv heads kv_stride apart and positions head_dim apart; out: [rows, heads, head_dim].
-  void operator()(int64_t rows, const float* q, int64_t q_stride, const float* const* k,
-                  const float* const* v, int64_t kv_stride, const int64_t* lengths,
+  // q: row b's query heads at q + b * q_stride, head_dim apart; k[b], v[b]: its cache row
+  // (T: float, or uint16_t for float16), kv heads kv_stride apart and positions head_dim
+  // apart; out: [rows, heads, head_dim].
+  template <typename T>
+  void operator()(int64_t rows, const float* q, int64_t q_stride, const T* const* k,
+                  const T* const* v, int64_t kv_stride, const int64_t* lengths,
                   float* out) {
     first_chunk_.assign(rows + 1, 0);
     for (int64_t b = 0; b < rows; ++b)
@@ -381,7 +437,8 @@ class CacheAttention {
   }
 
  private:
-  void attend(const float* q, int64_t group, const float* k, const float* v, int64_t len,
+  template <typename T>
+  void attend(const float* q, int64_t group, const T* k, const T* v, int64_t len,
               float* partials) const {
     const int64_t stride = hd_ + 2;
     switch (hd_) {  // the usual head sizes, their sums in registers

@@ -50,7 +50,7 @@ def for_engine(root: Path, cap_bytes: int, model_sha: str, model_path: Path, eng
     from ..server.identity import weights_sha  # torch-free; what the server hashes too
 
     cfg = engine.cfg
-    dtype_name = str(engine.dtype).removeprefix("torch.")
+    dtype_name = str(engine.cache.k.dtype).removeprefix("torch.")
     layout = {"dtype": dtype_name, "dims": [cfg.n_layers, cfg.n_kv_heads, cfg.head_dim]}
     compute = {
         "decode_weights": engine.model.decode_kind,
@@ -60,7 +60,7 @@ def for_engine(root: Path, cap_bytes: int, model_sha: str, model_path: Path, eng
     }
     key = disk_key(model_sha or weights_sha(model_path, None), layout, compute)
     dims = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
-    return DiskCache(root, cap_bytes, key, engine.dtype, dims)
+    return DiskCache(root, cap_bytes, key, engine.cache.k.dtype, dims)
 
 
 def disk_key(model_sha: str, layout: dict, compute: dict) -> str:

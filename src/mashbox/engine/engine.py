@@ -85,6 +85,25 @@ def resolve_decode_weights(kind: str, device: str) -> str:
     return "int4a16" if torch.device(device).type == "cpu" and cpu_kernels.load() else "float"
 
 
+KV_DTYPES = ("auto", "float16", "float32")
+
+
+def resolve_kv_dtype(kind: str, model: Model) -> torch.dtype:
+    """ "auto": float16 where the CPU kernels run the decode step (its attention and a prefill
+    chunk's read float16 keys and values, widened exactly: half the memory, and half the
+    bytes a decode step reads past ~16k positions, where they outweigh a 0.5B model's
+    weights; llama-server's default too); the model's dtype elsewhere (the torch paths would
+    widen the whole cache every step). float16 or float32 on a CPU computing in float32."""
+    if kind not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {kind!r}")
+    if kind == "auto":
+        return torch.float16 if model.decode_stack is not None else model.dtype
+    dtype = getattr(torch, kind)
+    if dtype != model.dtype and (model.device.type != "cpu" or model.dtype != torch.float32):
+        raise ValueError(f"a {kind} KV cache needs a CPU computing in float32")
+    return dtype
+
+
 def compiles_so_far() -> int:
     """Programs this process has compiled or loaded just in time: mashbox's CPU kernels, any
     torch.compile graphs and captured CUDA graphs. The server checks that none happen after
@@ -135,6 +154,7 @@ class Engine:
         device: str = "cpu",
         dtype=None,
         decode_weights: str = "float",
+        kv_dtype: str = "auto",
         graph_decode: bool | None = None,
         grammar_masks: GrammarMasks | None = None,
         cache_dir: Path | None = None,
@@ -144,7 +164,8 @@ class Engine:
         """graph_decode: decode as fixed-shape steps, CUDA graphs on a GPU (graph_decode.py);
         None: as $MASHBOX_GRAPH_DECODE says, else on CUDA with float decode weights.
         cache_dir: the prompt cache on disk, at most cache_dir_bytes; its files are valid for
-        model_sha (the registry's sha256; "": what identity.weights_sha hashes of `path`)."""
+        model_sha (the registry's sha256; "": what identity.weights_sha hashes of `path`).
+        kv_dtype: what the KV cache holds (resolve_kv_dtype)."""
         # A CPU engine asked for anything but float runs on mashbox's kernels, or says why not.
         kernels = (
             cpu_kernels.report()
@@ -172,7 +193,12 @@ class Engine:
         self.ctx = ctx
         fixed_shape = graph_decode_mod.wanted(graph_decode, self.model)
         self.cache = KVCache(
-            self.cfg, slots, ctx, self.device, self.dtype, scratch_slot=fixed_shape
+            self.cfg,
+            slots,
+            ctx,
+            self.device,
+            resolve_kv_dtype(kv_dtype, self.model),
+            scratch_slot=fixed_shape,
         )
         # Decode goes one way for the engine's life, chosen here: a GraphDecoder captures its
         # graphs now, before the server reports ready.
@@ -203,6 +229,7 @@ class Engine:
             vocab_size=self.cfg.vocab_size,
             max_context=self.cfg.max_context,
             ctx=ctx,
+            kv_dtype=str(self.cache.k.dtype).removeprefix("torch."),
             kv_bytes_per_token=self.cache.bytes_per_token,
             decode_bytes=self.model.decode_nbytes,
             decode_weights=self.model.decode_kind,

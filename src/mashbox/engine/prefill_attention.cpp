@@ -4,7 +4,7 @@
 #include <cmath>
 #include <vector>
 
-// Causal softmax attention of a prefill chunk over one slot's float32 KV cache: row i of the
+// Causal softmax attention of a prefill chunk over one slot's KV cache: row i of the
 // chunk (position start + i) sees keys 0..start + i. Unlike a decode step, which reads each
 // key once for one query per head and is bound by memory, a chunk reuses every key for all
 // its rows, so this is FLOP-bound and laid out like a matmul:
@@ -25,6 +25,9 @@
 // order, and a key a query may not see adds an exact 0 (a block it sees none of rescales by
 // exactly e^0 = 1). So a prompt prefilled in one chunk or several, alone or beside others,
 // gives each row the same attention.
+//
+// A float16 cache's block of keys and values is widened to float32 once for all the task's
+// queries (exactly: the same scores as a float32 cache holding the float16 values).
 
 namespace {
 
@@ -98,11 +101,24 @@ void with_tile(int t, int v, const F& f) {
   f.template operator()<T, V>();
 }
 
+// n positions of a kv head's keys or values (hd apart) as float32: in place, or (float16)
+// widened into `widened`.
+inline const float* as_float(const float* x, int64_t, int64_t, std::vector<float>&) {
+  return x;
+}
+inline const float* as_float(const uint16_t* x, int64_t n, int64_t hd,
+                             std::vector<float>& widened) {
+  widened.resize(n * hd);
+  by16(n * hd, [&](int64_t i, int64_t c) { store(widened.data() + i, load(x + i, c), c); });
+  return widened.data();
+}
+
+template <typename T>  // the cache's: float, or uint16_t (float16 bits)
 struct Task {
   const float* q;   // row r's head h at q + r * q_row + h * hd
   int64_t q_row;
-  const float* k;   // kv head kh's position t at k + kh * kv_head + t * hd
-  const float* v;
+  const T* k;       // kv head kh's position t at k + kh * kv_head + t * hd
+  const T* v;
   int64_t kv_head;
   float* out;       // [rows, heads, hd]
   int64_t start, heads, kv_heads, hd;
@@ -110,11 +126,12 @@ struct Task {
 };
 
 // The queries of kv head kh for rows [r0, r1).
-void attend_block(const Task& a, int64_t kh, int64_t r0, int64_t r1) {
+template <typename T>
+void attend_block(const Task<T>& a, int64_t kh, int64_t r0, int64_t r1) {
   const int64_t group = a.heads / a.kv_heads, hd = a.hd, n = (r1 - r0) * group;
   const int64_t vecs = (n + 15) / 16, width = vecs * 16;
   const int64_t last = a.start + r1 - 1;  // the last key any of them sees
-  thread_local std::vector<float> qt, s, o, limit, top, sum, alpha;
+  thread_local std::vector<float> qt, s, o, limit, top, sum, alpha, key_block, value_block;
   qt.assign(hd * width, 0.0f);
   s.resize(KEY_BLOCK * width);
   o.assign(hd * width, 0.0f);
@@ -128,22 +145,24 @@ void attend_block(const Task& a, int64_t kh, int64_t r0, int64_t r1) {
     const float* src = a.q + (r0 + m / group) * a.q_row + (kh * group + m % group) * hd;
     for (int64_t d = 0; d < hd; ++d) qt[d * width + m] = src[d];
   }
-  const float* keys = a.k + kh * a.kv_head;
-  const float* values = a.v + kh * a.kv_head;
+  const T* keys = a.k + kh * a.kv_head;
+  const T* values = a.v + kh * a.kv_head;
   const f32x16 scale = splat(a.scale);
   for (int64_t k0 = 0; k0 <= last; k0 += KEY_BLOCK) {
     const int64_t nk = std::min(KEY_BLOCK, last + 1 - k0);
     // The next block's keys and values into L2 meanwhile (a block computes long enough).
     const int64_t next = std::min(KEY_BLOCK, last + 1 - k0 - nk) * hd;
-    for (int64_t i = 0; i < next; i += 16) {
+    for (int64_t i = 0; i < next; i += 64 / sizeof(T)) {
       _mm_prefetch(reinterpret_cast<const char*>(keys + (k0 + nk) * hd + i), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(values + (k0 + nk) * hd + i), _MM_HINT_T1);
     }
+    const float* kb = as_float(keys + k0 * hd, nk, hd, key_block);
+    const float* vb = as_float(values + k0 * hd, nk, hd, value_block);
     for (int64_t t = 0; t < nk; t += TILE)
       for (int64_t v = 0; v < vecs; v += VECS)
         with_tile(std::min<int64_t>(TILE, nk - t), std::min<int64_t>(VECS, vecs - v),
-                  [&]<int T, int V>() {
-                    score_tile<T, V>(qt.data() + 16 * v, keys + (k0 + t) * hd, hd,
+                  [&]<int T_, int V>() {
+                    score_tile<T_, V>(qt.data() + 16 * v, kb + t * hd, hd,
                                      s.data() + t * width + 16 * v, width);
                   });
     // Only blocks past the first row's position hold keys some query may not see.
@@ -173,8 +192,8 @@ void attend_block(const Task& a, int64_t kh, int64_t r0, int64_t r1) {
     }
     for (int64_t d = 0; d < hd; d += TILE)
       for (int64_t v = 0; v < vecs; v += VECS)
-        with_tile(TILE, std::min<int64_t>(VECS, vecs - v), [&]<int T, int V>() {
-          value_tile<T, V>(s.data() + 16 * v, values + k0 * hd + d, hd, nk,
+        with_tile(TILE, std::min<int64_t>(VECS, vecs - v), [&]<int T_, int V>() {
+          value_tile<T_, V>(s.data() + 16 * v, vb + d, hd, nk,
                            alpha.data() + 16 * v, o.data() + d * width + 16 * v, width);
         });
   }
@@ -187,23 +206,15 @@ void attend_block(const Task& a, int64_t kh, int64_t r0, int64_t r1) {
 
 }  // namespace
 
-// q: [rows, heads, hd] (rows may be strided), k and v: one slot's [kv_heads, ctx, hd] cache
-// holding positions 0..start + rows - 1. Returns [rows, heads * hd].
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                int64_t start) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [rows, heads, hd], "
-              "k and v [kv_heads, ctx, hd]");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
-                  v.scalar_type() == torch::kFloat, "float32 only");
-  const int64_t rows = q.size(0), heads = q.size(1), hd = q.size(2), kv_heads = k.size(0);
-  TORCH_CHECK(heads % kv_heads == 0 && k.size(2) == hd && hd % TILE == 0, "shapes");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == hd && k.stride(2) == 1 && k.stride(1) == hd &&
-                  v.strides() == k.strides(), "layout");
-  TORCH_CHECK(start >= 0 && start + rows <= k.size(1), "positions past the cache");
+namespace {
+
+template <typename T>
+torch::Tensor attend_chunk_rows(torch::Tensor q, const T* k, const T* v, int64_t kv_stride,
+                                int64_t kv_heads, int64_t start) {
+  const int64_t rows = q.size(0), heads = q.size(1), hd = q.size(2);
   auto out = torch::empty({rows, heads * hd}, q.options());
-  const Task task{q.data_ptr<float>(), q.stride(0), k.data_ptr<float>(), v.data_ptr<float>(),
-                  k.stride(0), out.data_ptr<float>(), start, heads, kv_heads, hd,
-                  1.0f / std::sqrt(static_cast<float>(hd))};
+  const Task<T> task{q.data_ptr<float>(), q.stride(0), k, v, kv_stride, out.data_ptr<float>(),
+                     start, heads, kv_heads, hd, 1.0f / std::sqrt(static_cast<float>(hd))};
   const int64_t per_block = std::max<int64_t>(1, QUERIES / (heads / kv_heads));
   const int64_t blocks = (rows + per_block - 1) / per_block;
   // The last rows see the most keys: handed out first, so no thread is left with a long one.
@@ -212,4 +223,30 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
     attend_block(task, kh, block * per_block, std::min(rows, (block + 1) * per_block));
   });
   return out;
+}
+
+}  // namespace
+
+// q: [rows, heads, hd] float32 (rows may be strided), k and v: one slot's [kv_heads, ctx, hd]
+// cache, float32 or float16, holding positions 0..start + rows - 1. Returns
+// [rows, heads * hd].
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                int64_t start) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [rows, heads, hd], "
+              "k and v [kv_heads, ctx, hd]");
+  const auto kind = k.scalar_type();
+  TORCH_CHECK(q.scalar_type() == torch::kFloat &&
+                  (kind == torch::kFloat || kind == torch::kHalf) && v.scalar_type() == kind,
+              "q float32, k and v both float32 or both float16");
+  const int64_t rows = q.size(0), heads = q.size(1), hd = q.size(2), kv_heads = k.size(0);
+  TORCH_CHECK(heads % kv_heads == 0 && k.size(2) == hd && hd % TILE == 0, "shapes");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == hd && k.stride(2) == 1 && k.stride(1) == hd &&
+                  v.strides() == k.strides(), "layout");
+  TORCH_CHECK(start >= 0 && start + rows <= k.size(1), "positions past the cache");
+  if (kind == torch::kHalf)
+    return attend_chunk_rows(q, reinterpret_cast<const uint16_t*>(k.data_ptr<at::Half>()),
+                             reinterpret_cast<const uint16_t*>(v.data_ptr<at::Half>()),
+                             k.stride(0), kv_heads, start);
+  return attend_chunk_rows(q, k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), kv_heads,
+                           start);
 }

@@ -64,7 +64,7 @@ def model_identity(
     )
     # What a saved prompt's KV means: exact token prefixes at this context and KV dtype.
     # The host cache's size is not part of it (it changes what is kept, not what it means).
-    policy = {"prefix_reuse": True, "ctx": info.ctx, "kv_dtype": info.dtype}
+    policy = {"prefix_reuse": True, "ctx": info.ctx, "kv_dtype": info.kv_dtype or info.dtype}
     namespace = _sha({"model": model_id, "components": components, "cache": policy})
     deployment = _sha(
         {

@@ -54,6 +54,7 @@ def model_card(state: ServerState) -> dict:
         "bpw": info.bits_per_weight if info else 0,
         "decode_gb": round(info.decode_bytes / 1e9, 6) if info else 0,
         "decode_weights": info.decode_weights if info else None,
+        "kv_dtype": info.kv_dtype or None if info else None,
         "decode_kernels": info.kernels or None if info else None,
         "kernels_fallback": info.kernels_fallback or None if info else None,
         "prefix_cache": True,
