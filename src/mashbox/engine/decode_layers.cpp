@@ -212,7 +212,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4a8_linear", &q4a8_linear, "q4_linear with x rounded to int8 per block of 32");
   m.def("q4a16_linear", &q4a16_linear, "q4_linear with x rounded to int16 per block of 32");
   m.def("prefill_attention", &prefill_attention,
-        "causal attention of a chunk at positions start.. over one slot's float32 or float16 cache");
+        "causal attention of a chunk at positions start.. over one slot's cache "
+        "(float32 or float16)");
   // module_local: a process may load several builds (a failed self-check, then the next
   // target), and pybind11 registers a type once per process otherwise.
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())
