@@ -236,9 +236,10 @@ static inline void silu_mul(const float* gu, float* out, int64_t n) {
 
 // ---- Softmax attention over a float32 or float16 KV cache ----------------------------------
 // A decode step's attention reads every cached key and value once (2 * n * head_dim * 4 or 2
-// bytes per kv head): at long context it is bound by memory bandwidth. So the query heads that share
-// a kv head (GQA) are taken together, each few positions' keys and values read from memory
-// once for all of them, and a row's positions are cut into chunks of ATTENTION_CHUNK that the
+// bytes per kv head): at long context it is bound by memory bandwidth (over float16, about as
+// much by its arithmetic). So the query heads that share a kv head (GQA) are taken together,
+// each few positions' keys and values read from memory (and widened) once for all of them,
+// and a row's positions are cut into chunks of ATTENTION_CHUNK that the
 // threads take one at a time (so one long row keeps both cores busy), each chunk's softmax
 // two-pass over its scores in L1, and the chunks merged in order. Where the chunks fall depends
 // on the row's own length alone: its bits do not depend on its neighbours or on the threads.
@@ -255,8 +256,8 @@ static inline float largest(const float* x, int64_t n) {  // exact, in any order
   return top;
 }
 
-// n floats of a cache at p as float32: p itself, or (float16) widened into `room`, so that
-// the query heads sharing a kv head read each key and value widened once.
+// n floats of a cache at p as float32: p itself, or (float16) widened into `room`, once for
+// all the queries that read them.
 static inline const float* widened(const float* p, int64_t, float*) { return p; }
 static inline const float* widened(const uint16_t* p, int64_t n, float* room) {
   by16(n, [&](int64_t i, int64_t c) { store(room + i, load(p + i, c), c); });

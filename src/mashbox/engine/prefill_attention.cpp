@@ -101,18 +101,6 @@ void with_tile(int t, int v, const F& f) {
   f.template operator()<T, V>();
 }
 
-// n positions of a kv head's keys or values (hd apart) as float32: in place, or (float16)
-// widened into `widened`.
-inline const float* as_float(const float* x, int64_t, int64_t, std::vector<float>&) {
-  return x;
-}
-inline const float* as_float(const uint16_t* x, int64_t n, int64_t hd,
-                             std::vector<float>& widened) {
-  widened.resize(n * hd);
-  by16(n * hd, [&](int64_t i, int64_t c) { store(widened.data() + i, load(x + i, c), c); });
-  return widened.data();
-}
-
 template <typename T>  // the cache's: float, or uint16_t (float16 bits)
 struct Task {
   const float* q;   // row r's head h at q + r * q_row + h * hd
@@ -139,6 +127,8 @@ void attend_block(const Task<T>& a, int64_t kh, int64_t r0, int64_t r1) {
   top.assign(width, -INFINITY);
   sum.assign(width, 0.0f);
   alpha.resize(width);
+  key_block.resize(KEY_BLOCK * hd);  // a float16 block widened (decode_math's `widened`)
+  value_block.resize(KEY_BLOCK * hd);
   for (int64_t m = 0; m < width; ++m) {  // query m: row r0 + m / group, head m % group
     limit[m] = static_cast<float>(m < n ? a.start + r0 + m / group : last);
     if (m >= n) continue;
@@ -156,8 +146,8 @@ void attend_block(const Task<T>& a, int64_t kh, int64_t r0, int64_t r1) {
       _mm_prefetch(reinterpret_cast<const char*>(keys + (k0 + nk) * hd + i), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(values + (k0 + nk) * hd + i), _MM_HINT_T1);
     }
-    const float* kb = as_float(keys + k0 * hd, nk, hd, key_block);
-    const float* vb = as_float(values + k0 * hd, nk, hd, value_block);
+    const float* kb = widened(keys + k0 * hd, nk * hd, key_block.data());
+    const float* vb = widened(values + k0 * hd, nk * hd, value_block.data());
     for (int64_t t = 0; t < nk; t += TILE)
       for (int64_t v = 0; v < vecs; v += VECS)
         with_tile(std::min<int64_t>(TILE, nk - t), std::min<int64_t>(VECS, vecs - v),
@@ -203,10 +193,6 @@ void attend_block(const Task<T>& a, int64_t kh, int64_t r0, int64_t r1) {
     for (int64_t d = 0; d < hd; ++d) dst[d] = o[d * width + m] * r;
   }
 }
-
-}  // namespace
-
-namespace {
 
 template <typename T>
 torch::Tensor attend_chunk_rows(torch::Tensor q, const T* k, const T* v, int64_t kv_stride,
