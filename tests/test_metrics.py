@@ -241,11 +241,11 @@ def test_cache_namespace_covers_model_weights_tokenizer_template_and_policy():
         def __init__(self, source):
             self.source = source
 
-    def info(ctx=1024, device="cpu", decode_weights="float", kernels=""):
+    def info(ctx=1024, device="cpu", decode_weights="float", kernels="", kv_dtype="float32"):
         return EngineInfo(
             arch="llama", n_params=1, weight_bytes=1, bits_per_weight=8.0, device=device,
             dtype="float32", n_layers=2, vocab_size=10, max_context=2048, ctx=ctx,
-            decode_weights=decode_weights, kernels=kernels,
+            decode_weights=decode_weights, kernels=kernels, kv_dtype=kv_dtype,
         )  # fmt: skip
 
     def ids(model="m", weights="w", tok="t", template="{{x}}", **engine):
@@ -256,16 +256,24 @@ def test_cache_namespace_covers_model_weights_tokenizer_template_and_policy():
     for changed in (ids(model="n"), ids(weights="v"), ids(tok="u"), ids(template="{{y}}")):
         assert changed.cache_namespace != base.cache_namespace
     assert ids(ctx=512).cache_namespace != base.cache_namespace  # the cache policy
+    assert ids(kv_dtype="float16").cache_namespace != base.cache_namespace
     # Another device runs other programs over the same model and the same cached prompts.
     other_device = ids(device="cuda:0")
     assert other_device.deployment_id != base.deployment_id
     assert other_device.component_set_sha == base.component_set_sha
     assert ids(model="n").component_set_sha == base.component_set_sha
     # A seeded answer repeats under the model's parts and what computes its steps: not the
-    # name it is served under, nor the context; another decode kind or kernel target differs.
+    # name it is served under, nor the context; another decode kind, kernel target or KV
+    # dtype differs.
     assert ids(model="n").answers == ids(ctx=512).answers == base.answers
-    for changed in (ids(weights="v"), ids(decode_weights="int4"), ids(kernels="avx2 (x86-64-v3)")):
+    for changed in (
+        ids(weights="v"),
+        ids(decode_weights="int4"),
+        ids(kernels="avx2 (x86-64-v3)"),
+        ids(kv_dtype="float16"),
+    ):
         assert changed.answers != base.answers
+    assert ids(kv_dtype="float16").deployment_id != base.deployment_id
     assert base.system_fingerprint(7) == f"seed-7-fp_{base.answers}" and len(base.answers) == 12
 
 

@@ -23,7 +23,7 @@ class Identity:
     deployment_id: str  # the programs this server runs
     component_set_sha: str  # what the model is made of
     # What a seeded answer repeats under: the model's parts and what computes its steps
-    # (decode weights, the CPU kernels' target, device, dtype, mashbox and torch). Not the
+    # (decode weights, the CPU kernels' target, device, dtype, KV dtype, mashbox and torch). Not the
     # slots, the context or the load: an answer is the same alone or beside others.
     answers: str = ""
 
@@ -72,6 +72,7 @@ def model_identity(
             "torch": _version("torch"),
             "device": info.device,
             "dtype": info.dtype,
+            "kv_dtype": info.kv_dtype,
             "decode_weights": info.decode_weights,
             "arch": info.arch,
             "ctx": info.ctx,
@@ -86,6 +87,7 @@ def model_identity(
             "torch": _version("torch"),
             "device": info.device,
             "dtype": info.dtype,
+            "kv_dtype": info.kv_dtype,  # float16 keys and values move the logits a little
             "decode": info.decode,  # decode weights and the kernels' compiler target
             "components": components,
         }
