@@ -13,6 +13,8 @@ better.
     .venv/bin/python bench/vs_llama.py --install-only   # just build llama-cpp-python
     .venv/bin/python bench/vs_llama.py --llama-server PATH/llama-server   # llama.cpp's own
     .venv/bin/python bench/vs_llama.py --llama-server PATH --model qwen2.5-coder-0.5b-instruct
+    .venv/bin/python bench/vs_llama.py --llama-server PATH --model qwen2.5-coder-0.5b-instruct \
+        --streams 1 --long-decode 16000    # also: decoding after an agent-sized prompt
 
 After the table: issue 28's targets (vs_llama_targets.py), each ratio against its target,
 and the roofline: mashbox's 1-stream rate as a share of the machine's limit (measured read
@@ -242,6 +244,13 @@ def measure(url: str, args, extra: dict) -> dict:
     print(f"  TTFT runs (s, prompt tokens): {runs}", flush=True)
     out["ttft"] = statistics.median(s for s, _ in runs)
     out["prompt_tokens"] = runs[0][1]
+    if args.long_decode:  # one stream's decode after an agent-sized prompt (its KV read whole)
+        messages = [{"role": "user", "content": long_prompt(99, args.long_decode)}]
+        long = trio.run(
+            decode_http.gather_streams, url, 1, args.tokens, {**extra, "messages": messages}
+        )
+        out["long"] = stream_rates(long)
+        print(f"  1 stream after a ~{args.long_decode}-token prompt: {out['long']}", flush=True)
     out["load"].append(os.getloadavg()[0])
     return out
 
@@ -298,6 +307,9 @@ def rows(args, base: dict, mash: dict) -> list[tuple]:
     out.append((name, *prefill, REFERENCE["prefill"] if args.model == DEFAULT_MODEL else None))
     ttft = (base["ttft"], mash["ttft"])
     out.append((f"TTFT, {base['prompt_tokens']}-token prompt, s", *ttft, None))
+    if args.long_decode:
+        long = (base["long"]["total"], mash["long"]["total"])
+        out.append((f"decode 1 stream after a ~{args.long_decode}-token prompt tok/s", *long, None))
     return out
 
 
@@ -346,6 +358,14 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2000, help="of the TTFT prompt")
     parser.add_argument("--ttft-runs", type=int, default=3, help="cold runs; the median counts")
     parser.add_argument("--ctx", type=int, default=2560, help="both servers' context")
+    parser.add_argument(
+        "--long-decode",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="also decode one stream after a prompt of about this many tokens (--ctx grows to "
+        "hold it): what an agent's turn costs once its context is long",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument(
         "--server-args", default="", help='more `mashbox run` flags, e.g. "--decode-weights int8"'
@@ -357,6 +377,9 @@ def main() -> None:
     parser.add_argument("--install-only", action="store_true")
     parser.add_argument("--llama-server", type=Path, help="a llama-server binary: the baseline")
     args = parser.parse_args()
+    if args.long_decode:
+        # long_prompt's token count is a guess (30 a sentence): up to ~3% more, then a template
+        args.ctx = max(args.ctx, int(args.long_decode * 1.05) + args.tokens + 256)
     if not args.llama_server:
         ensure_llama(args.llama_venv)
     if args.install_only:
