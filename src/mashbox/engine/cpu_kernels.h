@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "chunk_pool.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -283,9 +285,8 @@ static inline void block_scales(const S* s, int derived_m, vfloat& d, vfloat& m)
 static inline int64_t scales_per_block(int derived_m) { return derived_m ? 1 : 2; }
 
 // f(i) for every i in [0, n) on torch's threads, which take `chunk` indices at a time as they
-// become free. A static split (at::parallel_for) makes the whole call wait for a thread that
-// lost its core to another process, and on two cores the server's own work does that every
-// step; here the other thread takes over the rest of the work.
+// become free: for a prefill chunk's milliseconds-long matmuls and attention. A static split
+// would make the whole call wait for a thread that lost its core to another process.
 template <typename F>
 inline void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
   std::atomic<int64_t> next{0};
@@ -296,17 +297,34 @@ inline void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
   });
 }
 
+// The same for a decode step's ~150 calls of microseconds each, on ChunkPool's threads
+// (chunk_pool.h), which return without waiting at a barrier for a thread that has no work
+// left: on two cores the server takes a core after every step, and each region of
+// at::parallel_for waited for it. Prefill stays on torch's threads: its torch ops between
+// the matmuls keep OpenMP's thread spinning for milliseconds, and a helper beside it would
+// share its core.
+template <typename F>
+inline void pooled_chunks(int64_t n, int64_t chunk, const F& f) {
+  ChunkPool::get().run(n, chunk, at::get_num_threads() - 1, f);
+}
+// Up to how many rows a matmul is a decode step's (batch) rather than a prefill chunk's.
+constexpr int64_t POOLED_ROWS = 32;
+
 // How a matmul's tiles of 32 outputs are spread over the threads: one row takes two tiles at
 // a time (eight accumulators hide the FMA latency: pair(t) computes tiles t and t + 1, and
 // single(t) an odd last one); several rows take a tile at a time (rows(t)).
 template <typename Pair, typename Single, typename Rows>
 inline void over_tiles(int64_t M, int64_t tiles, const Pair& pair, const Single& single,
                        const Rows& rows) {
-  if (M > 1) {
+  if (M > POOLED_ROWS) {
     parallel_chunks(tiles, 2, rows);
     return;
   }
-  parallel_chunks(tiles / 2, 2, [&](int64_t t) { pair(2 * t); });
+  if (M > 1) {
+    pooled_chunks(tiles, 2, rows);
+    return;
+  }
+  pooled_chunks(tiles / 2, 2, [&](int64_t t) { pair(2 * t); });
   if (tiles % 2) single(tiles - 1);
 }
 

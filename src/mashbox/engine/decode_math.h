@@ -420,7 +420,7 @@ class CacheAttention {
       first_chunk_[b + 1] = first_chunk_[b] + (lengths[b] + ATTENTION_CHUNK - 1) / ATTENTION_CHUNK;
     const int64_t stride = hd_ + 2, groups = heads_ / kv_heads_;
     partials_.resize(first_chunk_[rows] * heads_ * stride);
-    parallel_chunks(first_chunk_[rows] * kv_heads_, 1, [&](int64_t task) {
+    pooled_chunks(first_chunk_[rows] * kv_heads_, 1, [&](int64_t task) {
       const int64_t chunk = task / kv_heads_, kh = task % kv_heads_;
       const int64_t b = std::upper_bound(first_chunk_.begin(), first_chunk_.end(), chunk) -
                         first_chunk_.begin() - 1;

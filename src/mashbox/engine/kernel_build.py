@@ -42,7 +42,10 @@ COMPILED = [
 # What a build's record stands for: the code, and the packers and self-check that judged it.
 SOURCES = [
     *COMPILED,
-    *(Path(__file__).with_name(n) for n in ("cpu_kernels.h", "decode_math.h", "cpu_kernels.py")),
+    *(
+        Path(__file__).with_name(n)
+        for n in ("cpu_kernels.h", "chunk_pool.h", "decode_math.h", "cpu_kernels.py")
+    ),
 ]
 
 # What the kernels themselves need to run (/proc/cpuinfo names); the x86-64 levels' own sets.

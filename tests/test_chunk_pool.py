@@ -1,0 +1,66 @@
+"""The kernels' two ways of sharing work among threads (cpu_kernels.h): a decode step's small
+calls on ChunkPool's helpers, a prefill chunk's big ones on torch's OpenMP threads. Which
+thread computes a tile never changes its bits."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from mashbox.engine import cpu_kernels, kernel_build
+
+LACKS = kernel_build.machine_lacks()
+pytestmark = pytest.mark.skipif(LACKS is not None, reason=f"cannot build the kernels: {LACKS}")
+kernel = cpu_kernels.load()
+
+# Up to cpu_kernels.h's POOLED_ROWS a matmul is a decode step's and goes to the pool.
+ROWS = [1, 2, 8, 32, 33, 256]
+
+
+def problem(rows: int):
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (960, 576), dtype=torch.int8, generator=g)
+    return torch.randn(rows, 576, generator=g), cpu_kernels.pack_int8(q), torch.rand(960) / 100
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_one_thread_and_several_give_the_same_bits(rows, threads):
+    x, packed, scale = problem(rows)
+    threads(2)
+    shared = [kernel.int8_linear(x, packed, scale) for _ in range(20)]
+    threads(1)
+    alone = kernel.int8_linear(x, packed, scale)
+    assert all(torch.equal(y, alone) for y in shared)
+
+
+def _in_child(conn, x, packed, scale) -> None:
+    # Only the kernel here: torch's own OpenMP ops do not survive a fork (libgomp's threads
+    # are not copied either, and it waits for them).
+    conn.send(kernel.int8_linear(x, packed, scale).numpy().tobytes())  # not shared memory
+
+
+def test_a_forked_process_starts_its_own_helpers(threads):
+    """The parent's helper threads are not copied by fork: the child's calls must neither
+    hang waiting for them nor skip their share of the work."""
+    threads(2)
+    x, packed, scale = problem(8)
+    here = kernel.int8_linear(x, packed, scale)  # the parent's helpers are running now
+    fork = multiprocessing.get_context("fork")
+    parent, child = fork.Pipe()
+    process = fork.Process(target=_in_child, args=(child, x, packed, scale))
+    process.start()
+    try:
+        assert parent.poll(60), "the forked child did not answer within 60 s"
+        assert parent.recv() == here.numpy().tobytes()
+    finally:
+        process.join(10)
+        process.kill()
