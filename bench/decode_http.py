@@ -84,6 +84,8 @@ async def one_stream(
                         window.piece(pieces)
                 if event.get("usage"):
                     usage, timings = event["usage"], event["timings"]
+    if not pieces:  # an error, or a server that lost the request: never wait for it
+        raise RuntimeError(f"stream {seed} ended without any text (HTTP {r.status_code})")
     if window and window.started.is_set():
         window.ending.set()  # a stream ended: steady decoding is over, however few its pieces
     return {"first": first, "last": last, "usage": usage, "timings": timings, "pieces": pieces}
@@ -263,6 +265,9 @@ def main() -> None:
         "--server-args", default="", help='more `mashbox run` flags, e.g. "--decode-weights int8"'
     )
     parser.add_argument(
+        "--server-log", type=Path, help="also write the server's log here (kept on failure)"
+    )
+    parser.add_argument(
         "--no-engine-alone", action="store_true", help="skip timing the engine without a server"
     )
     args = parser.parse_args()
@@ -277,10 +282,15 @@ def main() -> None:
     if not args.no_engine_alone:
         kind = extra[extra.index("--decode-weights") + 1] if "--decode-weights" in extra else "auto"
         alone = EngineAlone(args.model, kind, max(args.streams))
-    proc = ServerProcess(args.model, "--slots", str(slots), "--ctx", "1024", *extra)
+    proc = ServerProcess(
+        args.model, "--slots", str(slots), "--ctx", "1024", *extra, log=args.server_log
+    )
     try:
         url = proc.wait_ready(900)
         trio.run(main_async, args, url, proc.proc.pid, alone)
+    except BaseException:
+        print("the server's last lines:\n" + proc.output(), file=sys.stderr)
+        raise
     finally:
         proc.stop()
 
