@@ -46,7 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto (default)")
     run.add_argument(
-        "--threads", type=int, default=d.threads, help="torch CPU threads (default: all cores)"
+        "--threads",
+        type=int,
+        default=d.threads,
+        help="CPU threads: torch's, and the kernels' decode helpers (default: all cores)",
     )
     run.add_argument(
         "--prefill-chunk",
