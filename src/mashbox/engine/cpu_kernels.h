@@ -312,7 +312,9 @@ constexpr int64_t POOLED_ROWS = 32;
 
 // How a matmul's tiles of 32 outputs are spread over the threads: one row takes two tiles at
 // a time (eight accumulators hide the FMA latency: pair(t) computes tiles t and t + 1, and
-// single(t) an odd last one); several rows take a tile at a time (rows(t)).
+// single(t) an odd last one); several rows take a tile at a time (rows(t)). A decode step
+// hands them out one pair or tile at a time: its matrices are small (SmolLM2's 576 outputs
+// are 18 tiles), and chunks of two left one thread a whole chunk behind the other.
 template <typename Pair, typename Single, typename Rows>
 inline void over_tiles(int64_t M, int64_t tiles, const Pair& pair, const Single& single,
                        const Rows& rows) {
@@ -321,10 +323,10 @@ inline void over_tiles(int64_t M, int64_t tiles, const Pair& pair, const Single&
     return;
   }
   if (M > 1) {
-    pooled_chunks(tiles, 2, rows);
+    pooled_chunks(tiles, 1, rows);
     return;
   }
-  pooled_chunks(tiles / 2, 2, [&](int64_t t) { pair(2 * t); });
+  pooled_chunks(tiles / 2, 1, [&](int64_t t) { pair(2 * t); });
   if (tiles % 2) single(tiles - 1);
 }
 
