@@ -22,7 +22,8 @@ ROWS = [1, 2, 8, 32, 33, 256]
 def problem(rows: int):
     g = torch.Generator().manual_seed(rows)
     q = torch.randint(-127, 128, (960, 576), dtype=torch.int8, generator=g)
-    return torch.randn(rows, 576, generator=g), cpu_kernels.pack_int8(q), torch.rand(960) / 100
+    x, scale = torch.randn(rows, 576, generator=g), torch.rand(960, generator=g) / 100
+    return x, cpu_kernels.pack_int8(q), scale
 
 
 @pytest.fixture
