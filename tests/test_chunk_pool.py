@@ -34,9 +34,12 @@ def threads():
 
 
 @pytest.mark.parametrize("rows", ROWS)
-def test_one_thread_and_several_give_the_same_bits(rows, threads):
+@pytest.mark.parametrize("count", [2, 3, 8])
+def test_one_thread_and_several_give_the_same_bits(rows, count, threads):
+    """More threads than cores too: helpers then lose their cores with their shares of a call
+    untaken, and the others take those from the back."""
     x, packed, scale = problem(rows)
-    threads(2)
+    threads(count)
     shared = [kernel.int8_linear(x, packed, scale) for _ in range(20)]
     threads(1)
     alone = kernel.int8_linear(x, packed, scale)

@@ -208,9 +208,9 @@ static inline int64_t vec_offset(int v, int64_t tile_stride) {
 // 128 for the high ones.
 constexpr int Q4_RECORD = 4 * TILE_LANES, Q5_RECORD = Q4_RECORD + TILE_LANES;
 // How far ahead of its loads a kernel asks for weights: with the hardware prefetcher alone,
-// one row of q4a16 over SmolLM2's 120 layer matrices took ~1.2x as long on one EPYC core
-// (1024-1536 bytes ahead measured best there; docs/performance.md).
-constexpr int PREFETCH_AHEAD = 1024;
+// one row of q4a16 over SmolLM2's 120 layer matrices took ~1.2x as long on one EPYC core;
+// 2048 bytes ahead read them 1.1-1.2x as fast as 1024 on two (docs/performance.md).
+constexpr int PREFETCH_AHEAD = 2048;
 // Vector v's 8 weights a lane in the records of group g: weights k..k+3 (a byte each, in
 // 0..31) in `low`, k+4..k+7 in `high`. tile_qs: the bytes of a tile's records.
 template <int RECORD>

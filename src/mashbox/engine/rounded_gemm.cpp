@@ -33,6 +33,32 @@ static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
             std::vector<float>(blocks)};
   for (int64_t i = 0; i < blocks; ++i) {
     const float* p = x + i * BLOCK;
+#if defined(__AVX512F__)
+    // The scalar loop below, 16 lanes at a time: the same roundings (cvtps rounds to nearest
+    // even, as nearbyint does in the default mode), so the same integers.
+    const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float d = amax / static_cast<float>(LIMIT), inv = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    if constexpr (WHOLE) {
+      auto* whole = reinterpret_cast<__m256i*>(r.whole.data() + i * BLOCK);
+      _mm256_storeu_si256(whole, _mm512_cvtepi32_epi16(qa));
+      _mm256_storeu_si256(whole + 1, _mm512_cvtepi32_epi16(qb));
+    } else if constexpr (LIMIT > 127) {
+      auto* high = reinterpret_cast<__m128i*>(r.high.data() + i * BLOCK);
+      auto* low = reinterpret_cast<__m128i*>(r.low.data() + i * BLOCK);
+      _mm_storeu_si128(high, _mm512_cvtepi32_epi8(_mm512_srai_epi32(qa, 8)));  // floor
+      _mm_storeu_si128(high + 1, _mm512_cvtepi32_epi8(_mm512_srai_epi32(qb, 8)));
+      _mm_storeu_si128(low, _mm512_cvtepi32_epi8(qa));  // the low bytes
+      _mm_storeu_si128(low + 1, _mm512_cvtepi32_epi8(qb));
+    } else {
+      auto* bytes = reinterpret_cast<__m128i*>(r.high.data() + i * BLOCK);
+      _mm_storeu_si128(bytes, _mm512_cvtepi32_epi8(qa));
+      _mm_storeu_si128(bytes + 1, _mm512_cvtepi32_epi8(qb));
+    }
+#else
     float amax = 0.0f;
     for (int64_t k = 0; k < BLOCK; ++k) amax = std::max(amax, std::fabs(p[k]));
     const float d = amax / static_cast<float>(LIMIT), inv = d != 0.0f ? 1.0f / d : 0.0f;
@@ -49,6 +75,7 @@ static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
       }
       sum += q;
     }
+#endif
     r.dx[i] = d;
     r.xs[i] = d * static_cast<float>(sum);
   }
@@ -89,9 +116,10 @@ static inline void rounded_block(const Rounded& x, const uint8_t* qs, int v0, co
                 tile_dm = blocks * scales_per_block(derived_m) * TILE;
   alignas(64) float out[MB][V * LANES] = {};
   for (int64_t b = 0; b < blocks; ++b) {
-    vint sum[MB][V], low_sum[MB][V];
+    vint sum[MB][V], low_sum[MB][V], second[V], low_second[V];
     UNROLL for (int j = 0; j < MB; ++j)
       UNROLL for (int v = 0; v < V; ++v) sum[j][v] = low_sum[j][v] = vzero_int();
+    UNROLL for (int v = 0; v < V; ++v) second[v] = low_second[v] = vzero_int();
     UNROLL for (int group = 0; group < BLOCK / 8; ++group) {
       const int64_t g = b * BLOCK / 8 + group;
       vint low[V], high[V];  // weights k..k+3 and k+4..k+7 of LANES outputs
@@ -100,15 +128,28 @@ static inline void rounded_block(const Rounded& x, const uint8_t* qs, int v0, co
       UNROLL for (int j = 0; j < MB; ++j) {
         const int64_t at = (m0 + j) * K + 8 * g;
         const vint x0 = broadcast4(x.high.data() + at), x1 = broadcast4(x.high.data() + at + 4);
-        UNROLL for (int v = 0; v < V; ++v)
-          sum[j][v] = dot4(dot4(sum[j][v], low[v], x0), high[v], x1);
+        // One row puts the high bytes' products in second chains (second, low_second):
+        // four independent sums a vector hide dot4's latency. Integer sums: the same bits.
+        UNROLL for (int v = 0; v < V; ++v) {
+          sum[j][v] = dot4(sum[j][v], low[v], x0);
+          vint& chain = MB == 1 ? second[v] : sum[j][v];
+          chain = dot4(chain, high[v], x1);
+        }
         if constexpr (INT16) {
           const vint l0 = broadcast4(x.low.data() + at), l1 = broadcast4(x.low.data() + at + 4);
-          UNROLL for (int v = 0; v < V; ++v)
-            low_sum[j][v] = dot4(dot4(low_sum[j][v], l0, low[v]), l1, high[v]);
+          UNROLL for (int v = 0; v < V; ++v) {
+            low_sum[j][v] = dot4(low_sum[j][v], l0, low[v]);
+            vint& chain = MB == 1 ? low_second[v] : low_sum[j][v];
+            chain = dot4(chain, l1, high[v]);
+          }
         }
       }
     }
+    if constexpr (MB == 1)
+      UNROLL for (int v = 0; v < V; ++v) {
+        sum[0][v] = shift_add(second[v], 0, sum[0][v]);
+        low_sum[0][v] = shift_add(low_second[v], 0, low_sum[0][v]);
+      }
     if constexpr (INT16)
       UNROLL for (int j = 0; j < MB; ++j)
         UNROLL for (int v = 0; v < V; ++v) sum[j][v] = shift_add(sum[j][v], 8, low_sum[j][v]);
