@@ -46,6 +46,18 @@ def test_one_thread_and_several_give_the_same_bits(rows, count, threads):
     assert all(torch.equal(y, alone) for y in shared)
 
 
+def test_a_call_of_more_chunks_than_a_share_counts(threads):
+    """A share holds 16-bit indices: 2^16 tiles and more are claimed in bigger chunks."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randint(-127, 128, (65537 * 32, 32), dtype=torch.int8, generator=g)
+    x, scale = torch.randn(2, 32, generator=g), torch.rand(q.shape[0], generator=g) / 100
+    packed = cpu_kernels.pack_int8(q)
+    threads(2)
+    shared = kernel.int8_linear(x, packed, scale)
+    threads(1)
+    assert torch.equal(shared, kernel.int8_linear(x, packed, scale))  # alone: every tile
+
+
 def _in_child(conn, x, packed, scale) -> None:
     # Only the kernel here: torch's own OpenMP ops do not survive a fork (libgomp's threads
     # are not copied either, and it waits for them).

@@ -33,9 +33,10 @@ class ChunkPool {
   // another thread is using the pool.
   template <typename F>
   void run(int64_t n, int64_t chunk, int helpers, const F& f) {
+    if ((n + chunk - 1) / chunk >= LIMIT) chunk = (n + LIMIT - 2) / (LIMIT - 1);  // 16 bits
     const int64_t units = (n + chunk - 1) / chunk;
     helpers = static_cast<int>(std::min<int64_t>({helpers, MAX_THREADS - 1, units - 1}));
-    if (helpers <= 0 || units >= LIMIT || !busy_.try_lock()) {
+    if (helpers <= 0 || !busy_.try_lock()) {
       for (int64_t i = 0; i < n; ++i) f(i);
       return;
     }
