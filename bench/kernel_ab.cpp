@@ -52,6 +52,19 @@ static size_t bytes(const std::vector<Matrix>& ms) {
   return total;
 }
 
+// The pool reading m's bytes with no arithmetic but a sum, in the kernels' chunks.
+static void plain_sum(const Matrix& m, std::vector<float>& out) {
+  const int64_t chunks = m.n / 64, size = m.qs.size() / chunks;
+  ChunkPool::get().run(chunks, 1, at::get_num_threads() - 1, [&](int64_t c) {
+    const uint8_t* p = m.qs.data() + c * size;
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t i = 0; i < size; i += 32)
+      sum = _mm256_add_epi64(sum, _mm256_sad_epu8(_mm256_loadu_si256((const __m256i*)(p + i)),
+                                                  _mm256_setzero_si256()));
+    out[c % out.size()] = _mm256_extract_epi64(sum, 0);
+  });
+}
+
 template <typename F>
 static double best_of(int times, const F& f) {
   double best = 1e9;
@@ -98,32 +111,11 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  // The ceiling: the pool summing the layer matrices' bytes, a pair of tiles a chunk.
+  // The ceiling: the pool summing the matrices' bytes, a pair of tiles a chunk.
   const double plain = best_of(10, [&] {
-    for (const auto& m : layers)
-      ChunkPool::get().run(m.n / 64, 1, at::get_num_threads() - 1, [&](int64_t c) {
-        const int64_t size = m.qs.size() / (m.n / 64);
-        const uint8_t* p = m.qs.data() + c * size;
-        __m256i sum = _mm256_setzero_si256();
-        for (int64_t i = 0; i < size; i += 32)
-          sum = _mm256_add_epi64(sum, _mm256_sad_epu8(_mm256_loadu_si256((const __m256i*)(p + i)),
-                                                      _mm256_setzero_si256()));
-        y[c % y.size()] = _mm256_extract_epi64(sum, 0);
-      });
+    for (const auto& m : layers) plain_sum(m, y);
   });
-
-  const double head_plain = best_of(10, [&] {
-    const Matrix& m = head[0];
-    ChunkPool::get().run(m.n / 64, 1, at::get_num_threads() - 1, [&](int64_t c) {
-      const int64_t size = m.qs.size() / (m.n / 64);
-      const uint8_t* p = m.qs.data() + c * size;
-      __m256i sum = _mm256_setzero_si256();
-      for (int64_t i = 0; i < size; i += 32)
-        sum = _mm256_add_epi64(sum, _mm256_sad_epu8(_mm256_loadu_si256((const __m256i*)(p + i)),
-                                                    _mm256_setzero_si256()));
-      y[c % y.size()] = _mm256_extract_epi64(sum, 0);
-    });
-  });
+  const double head_plain = best_of(10, [&] { plain_sum(head[0], y); });
   std::vector<double> r4, r8;
   double a4 = 1e9, b4 = 1e9, a8 = 1e9, b8 = 1e9;
   for (int round = 0; round < 10; ++round) {  // alternating which side goes first
