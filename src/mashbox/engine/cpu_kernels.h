@@ -70,6 +70,7 @@ static inline vint dot4(vint acc, vint u, vint s) {
 static inline vint shift_add(vint high, int bits, vint low) {  // (high << bits) + low
   return _mm512_add_epi32(_mm512_slli_epi32(high, bits), low);
 }
+static inline vint add_int(vint a, vint b) { return _mm512_add_epi32(a, b); }
 // Int16 dot products (Q8 blocks with int16 activations): dot2 adds a[2i] * b[2i] +
 // a[2i + 1] * b[2i + 1] to lane i, exactly (vpdpwssd, or vpmaddwd and an add).
 static inline vint dot2(vint acc, vint a, vint b) {
@@ -158,6 +159,7 @@ static inline vint dot4(vint acc, vint u, vint s) {
 static inline vint shift_add(vint high, int bits, vint low) {
   return _mm256_add_epi32(_mm256_slli_epi32(high, bits), low);
 }
+static inline vint add_int(vint a, vint b) { return _mm256_add_epi32(a, b); }
 static inline vint dot2(vint acc, vint a, vint b) {
 #if defined(__AVXVNNI__)
   return _mm256_dpwssd_avx_epi32(acc, a, b);

@@ -128,8 +128,9 @@ static inline void rounded_block(const Rounded& x, const uint8_t* qs, int v0, co
       UNROLL for (int j = 0; j < MB; ++j) {
         const int64_t at = (m0 + j) * K + 8 * g;
         const vint x0 = broadcast4(x.high.data() + at), x1 = broadcast4(x.high.data() + at + 4);
-        // One row puts the high bytes' products in second chains (second, low_second):
-        // four independent sums a vector hide dot4's latency. Integer sums: the same bits.
+        // One row sums weights k+4..k+7's products in chains of their own (second,
+        // low_second): four independent sums a vector hide dot4's latency. Integer sums,
+        // so the same bits.
         UNROLL for (int v = 0; v < V; ++v) {
           sum[j][v] = dot4(sum[j][v], low[v], x0);
           vint& chain = MB == 1 ? second[v] : sum[j][v];
@@ -147,8 +148,8 @@ static inline void rounded_block(const Rounded& x, const uint8_t* qs, int v0, co
     }
     if constexpr (MB == 1)
       UNROLL for (int v = 0; v < V; ++v) {
-        sum[0][v] = shift_add(second[v], 0, sum[0][v]);
-        low_sum[0][v] = shift_add(low_second[v], 0, low_sum[0][v]);
+        sum[0][v] = add_int(sum[0][v], second[v]);
+        low_sum[0][v] = add_int(low_sum[0][v], low_second[v]);
       }
     if constexpr (INT16)
       UNROLL for (int j = 0; j < MB; ++j)
