@@ -84,7 +84,8 @@ int main(int argc, char** argv) {
   const int64_t shapes[4][2] = {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}};
   for (int layer = 0; layer < 30; ++layer)
     for (const auto& s : shapes) layers.push_back(random_matrix(rng, s[0], s[1], 4));
-  const int64_t head_n = argc > 4 ? atoi(argv[3]) : 49152, head_k = argc > 4 ? atoi(argv[4]) : 576;
+  const int64_t head_n = argc > 4 ? atoi(argv[3]) : 49152;
+  const int64_t head_k = argc > 4 ? atoi(argv[4]) : 576;
   head.push_back(random_matrix(rng, head_n, head_k, 8));
   std::vector<float> x(M * std::max<int64_t>(1536, head_k)), y(M * head_n), y2(M * head_n);
   for (auto& v : x) v = std::uniform_real_distribution<float>(-1, 1)(rng);
@@ -141,9 +142,10 @@ int main(int argc, char** argv) {
   std::printf("  120 layer matmuls, q4a16 (%.1f MB): %.3f (%.2f-%.2f); best A %.3f ms "
               "(%.1f GB/s), B %.3f ms (%.1f GB/s)\n", gb * 1e3, r4[5], r4[0], r4[9], a4 * 1e3,
               gb / a4, b4 * 1e3, gb / b4);
-  std::printf("  Q8_0 head %ld x %ld, q8a16 (%.1f MB; under ~32 MB it may sit in L3): %.3f (%.2f-%.2f); best A %.3f ms "
-              "(%.1f GB/s), B %.3f ms (%.1f GB/s)\n", head[0].n, head[0].k, head_gb * 1e3, r8[5], r8[0], r8[9],
-              a8 * 1e3, head_gb / a8, b8 * 1e3, head_gb / b8);
+  std::printf("  Q8_0 head %ld x %ld, q8a16 (%.1f MB; under ~32 MB it may sit in L3): %.3f "
+              "(%.2f-%.2f); best A %.3f ms (%.1f GB/s), B %.3f ms (%.1f GB/s)\n",
+              head[0].n, head[0].k, head_gb * 1e3, r8[5], r8[0], r8[9], a8 * 1e3, head_gb / a8,
+              b8 * 1e3, head_gb / b8);
   size_t qs = 0;
   for (const auto& m : layers) qs += m.qs.size();
   std::printf("  ceiling: A's pool summing the layer matrices' 4-bit bytes: %.3f ms (%.1f GB/s)\n",
