@@ -18,6 +18,7 @@ from mashbox.engine.decode_weight import decode_weight_for
 from mashbox.engine.dequant import dequantize
 from mashbox.engine.engine import Engine
 from mashbox.engine.int4 import Int4Weight, unpack
+from mashbox.engine.q6_weight import Q6Weight, unpack_q6_k
 from mashbox.engine.q8_weight import Q8Weight, int8_blocks
 from mashbox.engine.weights import RawBlocks
 from mashbox.tiny import random_weights
@@ -111,12 +112,10 @@ def test_q5_and_q4_kernels_agree_where_the_fifth_bits_are_zero():
             assert torch.equal(five(x[:rows]), four(x[:rows])), (activations, rows)
 
 
-@pytest.mark.parametrize(
-    "parts", [[Q.Q6_K], [Q.Q6_K, Q.Q8_0], [Q.Q5_0, Q.Q5_0, Q.Q8_0], [Q.Q8_0, Q.Q5_0]]
-)
-def test_q6_k_and_mixes_with_q8_0_read_exactly(parts):
-    """Q6_K in groups of 16 (alone, or merged with Q8_0 as wqkv merges q, k and v), Q5_0
-    merged with Q8_0 as Q8 blocks: the file's weights, each row alone as in any batch."""
+@pytest.mark.parametrize("parts", [[Q.Q6_K, Q.Q8_0], [Q.Q5_0, Q.Q5_0, Q.Q8_0], [Q.Q8_0, Q.Q5_0]])
+def test_q6_k_and_q5_0_mixed_with_q8_0_read_exactly(parts):
+    """Q6_K in groups of 16 merged with Q8_0 (as wqkv merges q, k and v), Q5_0 merged with
+    Q8_0, as Q8 blocks: the file's weights, each row alone as in any batch."""
     raws = [random_blocks(qtype, 32, 512, seed=6 + i) for i, qtype in enumerate(parts)]
     ref = torch.cat([reference(qtype, raw) for qtype, raw in zip(parts, raws, strict=True)])
     blocks = [blocks_of(qtype, raw) for qtype, raw in zip(parts, raws, strict=True)]
@@ -125,6 +124,48 @@ def test_q6_k_and_mixes_with_q8_0_read_exactly(parts):
     assert weight.d.dtype == (torch.float32 if Q.Q6_K in parts else torch.float16)
     assert torch.equal(weight.dequantized(), ref)
     each_row_alone_as_in_any_batch(weight, 512)
+
+
+@pytest.mark.parametrize("kind", ["int4a16", "int4a8", "int4"])
+def test_q6_k_alone_reads_its_six_bits_where_activations_are_rounded(kind):
+    """A matrix of Q6_K throughout (two parts, as a merged one): 0.82 bytes a weight as the
+    file stores them where activations are rounded (Q8 blocks' 1.25 with float32 ones), the
+    file's weights, each row alone as in any batch."""
+    raws = [random_blocks(Q.Q6_K, 32, 512, seed=6 + i) for i in range(2)]
+    ref = torch.cat([reference(Q.Q6_K, raw) for raw in raws])
+    weight = decode_weight_for(ref, [blocks_of(Q.Q6_K, raw) for raw in raws], kind)
+    if kind == "int4":
+        assert isinstance(weight, Q8Weight)
+        return
+    assert isinstance(weight, Q6Weight) and weight.kind == "q6_k"
+    assert weight.qs.shape == (2, 64, 192) and weight.scales.shape == (2, 2, 576)
+    assert sum(t.nbytes for t in weight.decode_tensors) == 64 * 2 * 210  # the file's bytes
+    parts = [unpack_q6_k(torch.from_numpy(raw)) for raw in raws]
+    q, sc, d = (torch.cat(p) for p in zip(*parts, strict=True))
+    assert torch.equal(cpu_kernels.unpack_q4(weight.qs), q)
+    assert all(map(torch.equal, cpu_kernels.unpack_q6(weight.scales), (sc, d)))
+    assert torch.equal(weight.dequantized(), ref)
+    each_row_alone_as_in_any_batch(weight, 512)
+
+
+def test_q6a16_gives_q8a16s_bits_at_every_row_count():
+    """The 6-bit kernel and the int8 one over the same Q6_K weights (Q6Weight keeps both:
+    decode rows read six bits, prefill chunks int8): the same integer sums per group of 16
+    and the same float steps, so the same bits, at every row blocking either has. Full-range
+    q (0..63, both top bits), scales of either sign, activations over six decades."""
+    raw = random_blocks(Q.Q6_K, 96, 768, seed=13)
+    weight = Q6Weight(reference(Q.Q6_K, raw), [blocks_of(Q.Q6_K, raw)])
+    g = torch.Generator().manual_seed(14)
+    x = (
+        torch.randn(256, 768, generator=g)
+        * torch.logspace(-3, 3, 768)[torch.randperm(768, generator=g)]
+    )
+    for rows in [*range(1, 34), 64, 255, 256]:
+        six = weight.kernel.q6a16_linear(x[:rows], weight.qs, weight.scales)
+        eight = weight.kernel.q8a16_linear(x[:rows], weight.qs8, weight.d8)
+        assert torch.equal(six, eight), rows
+        if rows in (1, weight.DECODE_ROWS, weight.DECODE_ROWS + 1, 64):
+            assert torch.equal(weight(x[:rows]), six), rows
 
 
 def test_without_mashbox_kernels_q5_and_q6_k_stay_int8(monkeypatch):
@@ -203,9 +244,14 @@ def engine(request, tmp_path_factory):
 
 
 def test_every_layer_matrix_reads_the_files_weights(engine):
+    rounded = engine.model.decode_kind != "int4"  # Q6_K's six bits take int16 activations
     for layer in engine.model.layers:
         assert isinstance(layer["wqkv"], Q8Weight) and layer["wqkv"].d.dtype == torch.float16
-        assert isinstance(layer["w_down"], Q8Weight) and layer["w_down"].d.dtype == torch.float32
+        down = layer["w_down"]
+        if rounded:
+            assert isinstance(down, Q6Weight) and down.qs.shape[-1] == 192
+        else:
+            assert isinstance(down, Q8Weight) and down.d.dtype == torch.float32
         for name in ("wo", "w_gate_up"):
             assert isinstance(layer[name], Int4Weight) and layer[name].qs.shape[-1] == 160, name
         for name in ("wqkv", "wo", "w_gate_up", "w_down"):
@@ -254,11 +300,16 @@ def test_every_matrix_of_qwen_q4_k_m_is_read_as_stored():
                 q, d, m = unpack(blocks_of(qtype, raw))
                 w = q.float().view(*d.shape, 32) * d.float()[..., None] + m.float()[..., None]
             assert torch.equal(w.view(ref.shape), ref), t.name
-        # The kernel itself on the last: the first 64 columns read back through x = identity.
+        # The kernel itself on the last: the first 64 columns read back through x = identity
+        # (Q6_K: its int8 form; its six bits give the same bits as that for any x).
         weight = decode_weight_for(ref, [blocks_of(qtype, raw)], "int4a16")
         eye = torch.eye(ref.shape[1])[:64]
-        if isinstance(weight, Q8Weight):
-            read = weight.kernel.q8_linear(eye, weight.qs, weight.d)
+        if isinstance(weight, Q6Weight):
+            assert torch.equal(weight.dequantized(), ref), t.name
+            read = weight.kernel.q8_linear(eye, weight.qs8, weight.d8)
+            x = torch.randn(3, ref.shape[1], generator=torch.Generator().manual_seed(15))
+            six = weight.kernel.q6a16_linear(x, weight.qs, weight.scales)
+            assert torch.equal(six, weight.kernel.q8a16_linear(x, weight.qs8, weight.d8))
         else:
             read = weight.kernel.q4_linear(eye, weight.qs, weight.dm)
         assert torch.equal(read.T, ref[:, :64]), t.name
@@ -275,7 +326,9 @@ def test_both_vector_widths_give_the_same_bits():
     for qtype in (Q.Q5_0, Q.Q5_K, Q.Q6_K):
         raw = random_blocks(qtype, 64, 512, seed=12)
         weight = decode_weight_for(reference(qtype, raw), [blocks_of(qtype, raw)], "int4a16")
-        kernels = ["q8_linear"] if isinstance(weight, Q8Weight) else ["q4_linear", "q4a16_linear"]
+        kernels = (
+            ["q6a16_linear"] if isinstance(weight, Q6Weight) else ["q4_linear", "q4a16_linear"]
+        )
         for name in kernels:
             for rows in (1, 2, 4, 8, 19):
                 args = (x[:rows], *weight.decode_tensors)

@@ -294,3 +294,21 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
 torch::Tensor q8a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
   return q8_call(true, x, qs, d);
 }
+
+// Q6 blocks (pack_q6): qs uint8 [N / 32][K / 8][192] and scales uint8 [N / 32][K / 256][576],
+// activations rounded to int16 per block of 32.
+torch::Tensor q6a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales) {
+  TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kByte &&
+              scales.dtype() == torch::kByte);
+  TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && scales.is_contiguous());
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE;
+  TORCH_CHECK(K % Q6_SUPER == 0 && qs.dim() == 3 && qs.size(1) * 8 == K &&
+                  qs.size(2) == Q6_RECORD && scales.dim() == 3 &&
+                  scales.size(0) == qs.size(0) && scales.size(1) * Q6_SUPER == K &&
+                  scales.size(2) == Q6_SCALES,
+              "qs/scales must be packed by pack_q6 for K = ", K);
+  auto y = torch::empty({M, N}, x.options());
+  q6a16_gemm(x.data_ptr<float>(), qs.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(),
+             y.data_ptr<float>(), M, K, N);
+  return y;
+}

@@ -102,13 +102,15 @@ static inline vint pair_sums(vint a, vint b) {
   return _mm512_permutex2var_epi32(_mm512_add_epi32(a, _mm512_srli_epi64(a, 32)), index,
                                    _mm512_add_epi32(b, _mm512_srli_epi64(b, 32)));
 }
-// Q5's fifth bits (pack_q5): one a byte of weights, bit i for byte i. Adds 16 to each byte
-// whose bit is set (a masked byte add).
-static inline vint add_fifth(vint w, const uint8_t* bits) {
+// A bit plane of Q5's fifth bits or Q6's fifth and sixth (pack_q5, pack_q6): one a byte of
+// weights, bit i for byte i. Adds `value` (16 or 32) to each byte whose bit is set (a masked
+// byte add).
+static inline vint add_bit(vint w, const uint8_t* bits, int8_t value) {
   uint64_t mask;
   std::memcpy(&mask, bits, sizeof mask);
-  return _mm512_mask_add_epi8(w, mask, w, _mm512_set1_epi8(16));
+  return _mm512_mask_add_epi8(w, mask, w, _mm512_set1_epi8(value));
 }
+static inline vint vset_int(int32_t i) { return _mm512_set1_epi32(i); }
 #else
 constexpr int LANES = 8;
 using vfloat = __m256;
@@ -146,7 +148,7 @@ static inline vint broadcast4(const void* p) {
   std::memcpy(&four, p, sizeof four);
   return _mm256_set1_epi32(four);
 }
-// Without AVX-VNNI: byte pairs to int16 (no saturation with these operands: 2 * 255 * 31 <
+// Without AVX-VNNI: byte pairs to int16 (no saturation with these operands: 2 * 255 * 63 <
 // 2^15), then pairs of those to int32; the same exact sums.
 static inline vint dot4(vint acc, vint u, vint s) {
 #if defined(__AVXVNNI__)
@@ -186,15 +188,16 @@ static inline vint pair_sums(vint a, vint b) {  // even lanes of each, then 64-b
   return _mm256_permute4x64_epi64(_mm256_castps_si256(even), 0xD8);
 }
 // No mask registers: each byte picks its bit's byte (shuffle), tests its bit (and, compare),
-// then adds 16 where set.
-static inline vint add_fifth(vint w, const uint8_t* bits) {
+// then adds `value` where set.
+static inline vint add_bit(vint w, const uint8_t* bits, int8_t value) {
   const __m256i picked = _mm256_shuffle_epi8(
       broadcast4(bits), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
                                          2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
   const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
   const __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(picked, bit), bit);
-  return _mm256_add_epi8(w, _mm256_and_si256(on, _mm256_set1_epi8(16)));
+  return _mm256_add_epi8(w, _mm256_and_si256(on, _mm256_set1_epi8(value)));
 }
+static inline vint vset_int(int32_t i) { return _mm256_set1_epi32(i); }
 #endif
 constexpr int TILE_LANES = 32;            // outputs per packed tile (cpu_kernels.TILE)
 constexpr int VPT = TILE_LANES / LANES;  // vectors per tile: 4 (AVX2) or 2 (AVX-512)
@@ -203,18 +206,23 @@ constexpr int VPT = TILE_LANES / LANES;  // vectors per tile: 4 (AVX2) or 2 (AVX
 static inline int64_t vec_offset(int v, int64_t tile_stride) {
   return (v / VPT) * tile_stride + (v % VPT) * LANES;
 }
-// Packed 4- and 5-bit weights (pack_q4, pack_q5): per tile of 32 outputs and group of 8
-// weights k..k+7, a record of 4 bytes an output, byte j holding weights k + j (low nibble)
-// and k + 4 + j (high), so one int32 lane holds 4 consecutive weights of its output; Q5 then
-// 32 bytes of fifth bits: 128 for the low nibbles (bit 4o + j for output o's byte j), then
-// 128 for the high ones.
-constexpr int Q4_RECORD = 4 * TILE_LANES, Q5_RECORD = Q4_RECORD + TILE_LANES;
+// Packed 4-, 5- and 6-bit weights (pack_q4, pack_q5, pack_q6): per tile of 32 outputs and
+// group of 8 weights k..k+7, a record of 4 bytes an output, byte j holding weights k + j (low
+// nibble) and k + 4 + j (high), so one int32 lane holds 4 consecutive weights of its output;
+// Q5 then 32 bytes of fifth bits: 128 for the low nibbles (bit 4o + j for output o's byte
+// j), then 128 for the high ones; Q6 then as many of sixth bits.
+constexpr int Q4_RECORD = 4 * TILE_LANES, Q5_RECORD = Q4_RECORD + TILE_LANES,
+              Q6_RECORD = Q5_RECORD + TILE_LANES;
+// Q6's scales (pack_q6: Q6_K's), per tile and 256 weights: an int8 sc per 16 weights
+// [16][32], then an fp16 d [32]; w = d * sc * (q - 32).
+constexpr int Q6_SUPER = 256, Q6_GROUP = 16,
+              Q6_SCALES = Q6_SUPER / Q6_GROUP * TILE_LANES + 2 * TILE_LANES;
 // How far ahead of its loads a kernel asks for weights: with the hardware prefetcher alone,
 // one row of q4a16 over SmolLM2's 120 layer matrices took ~1.2x as long on one EPYC core;
 // 2048 bytes ahead read them 1.1-1.2x as fast as 1024 on two (docs/performance.md).
 constexpr int PREFETCH_AHEAD = 2048;
 // Vector v's 8 weights a lane in the records of group g: weights k..k+3 (a byte each, in
-// 0..31) in `low`, k+4..k+7 in `high`. tile_qs: the bytes of a tile's records.
+// 0..63) in `low`, k+4..k+7 in `high`. tile_qs: the bytes of a tile's records.
 template <int RECORD>
 static inline void weight_bytes(const uint8_t* qs, int v, int64_t g, int64_t tile_qs, vint& low,
                                 vint& high) {
@@ -224,10 +232,15 @@ static inline void weight_bytes(const uint8_t* qs, int v, int64_t g, int64_t til
   const vint w = vload_bytes(record + (v % VPT) * LANES * 4);
   low = low_nibbles(w);
   high = high_nibbles(w);
-  if constexpr (RECORD == Q5_RECORD) {
+  if constexpr (RECORD >= Q5_RECORD) {
     const uint8_t* bits = record + Q4_RECORD + (v % VPT) * LANES / 2;
-    low = add_fifth(low, bits);
-    high = add_fifth(high, bits + TILE_LANES / 2);
+    low = add_bit(low, bits, 16);
+    high = add_bit(high, bits + TILE_LANES / 2, 16);
+  }
+  if constexpr (RECORD == Q6_RECORD) {
+    const uint8_t* bits = record + Q5_RECORD + (v % VPT) * LANES / 2;
+    low = add_bit(low, bits, 32);
+    high = add_bit(high, bits + TILE_LANES / 2, 32);
   }
 }
 // Where vector v's weights k, k + 1 lie in pack_q8's pairs (tile_qs: a tile's bytes).
@@ -401,6 +414,12 @@ void q5a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, in
 // Q8 blocks of 16 with float32 scales (Q6_K's: d * sc, exact): d [N / 32][K / 16][32].
 void q8_gemm(const float* x, const int8_t* qs, const float* d, float* y, int64_t M, int64_t K,
              int64_t N);
+// Q6_K's blocks as stored (pack_q6: 6-bit q, an int8 sc per 16 and an fp16 d per 256, w =
+// d * sc * (q - 32)) with activations rounded to int16 per block of 32 (rounded_gemm.cpp):
+// the same bits as q8a16_gemm over the same weights in groups of 16 (pack_q8), 0.82 bytes a
+// weight read instead of 1.25.
+void q6a16_gemm(const float* x, const uint8_t* qs, const uint8_t* scales, float* y, int64_t M,
+                int64_t K, int64_t N);
 // The Q8 blocks with activations rounded to int16 per block of 32 (rounded_gemm.cpp).
 void q8a16_gemm(const float* x, const int8_t* qs, const uint16_t* d, float* y, int64_t M,
                 int64_t K, int64_t N);
@@ -410,6 +429,7 @@ void q8a16_gemm(const float* x, const int8_t* qs, const float* d, float* y, int6
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
 torch::Tensor q8a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
+torch::Tensor q6a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales);
 torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
 torch::Tensor q4a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
 // Causal attention of a prefill chunk over one slot's cache (prefill_attention.cpp).

@@ -10,7 +10,8 @@
   K-quants' too, as groups of 32 with float32 d and m (int4.py) or of 16 (Q6_K).
 - `rounded_gemm.cpp`: `q4a16` / `q4a8` (and `q5a16` / `q5a8`), the same Q4 and Q5 blocks with
   activations rounded per block of 32 to int16 / int8 (llama.cpp's rounding), for exact
-  integer dot products (int8 ones, VNNI where there is: int16 activations as two bytes).
+  integer dot products (int8 ones, VNNI where there is: int16 activations as two bytes);
+  `q6a16`, Q6_K's blocks as stored (`pack_q6`: 6-bit q, int8 sc per 16, fp16 d per 256).
 - `decode_layers.cpp`: `DecodeStack`, a whole decode step (every layer) in one call, with
   no torch op dispatch per norm, RoPE or residual.
 
@@ -235,13 +236,13 @@ def _check_cases(module, n: int, g: torch.Generator) -> list[tuple]:
     def float_x(m: int) -> torch.Tensor:  # multiples of 1/4 in [-2, 2]
         return ints(-8, 9, (m, k)) / 4
 
-    def rounded_x(limit: int, small: int, dx: float):
+    def rounded_x(limit: int, small: int, dx: float, k: int = k):
         """Activations the int16 / int8 rounding keeps exactly: per block of 32 one value at
         the bound (so the block's scale is dx, a power of two), the rest small multiples."""
 
         def make(m: int) -> torch.Tensor:
-            xq = ints(-small, small + 1, (m, blocks, 32))
-            xq[..., 0] = limit * (1 - 2 * ints(0, 2, (m, blocks)))
+            xq = ints(-small, small + 1, (m, k // 32, 32))
+            xq[..., 0] = limit * (1 - 2 * ints(0, 2, (m, k // 32)))
             return (xq * dx).view(m, k)
 
         return make
@@ -276,6 +277,14 @@ def _check_cases(module, n: int, g: torch.Generator) -> list[tuple]:
     packed8, w8 = pack_int8(q8), q8.double() / 128
     w_q8 = q8.double() * per_block(d8)
     x16, x8 = rounded_x(32767, 64, 2.0**-15), rounded_x(127, 127, 2.0**-7)
+    # Q6_K's blocks as stored take K = 256 (a superblock): q near 32 (both top bits vary), so
+    # that 16 groups' scaled sums stay exact in float32.
+    q6k = ints(28, 36, (n, 256), torch.uint8)
+    sc6 = ints(1, 4, (n, 16)) * (1 - 2 * ints(0, 2, (n, 16)))
+    d6 = (2.0 ** -ints(7, 9, (n, 1))).half()
+    qs6, scales6 = pack_q6(q6k, sc6.to(torch.int8), d6)
+    w6 = (q6k.double() - 32) * (d6.double() * sc6.double()).repeat_interleave(16, 1)
+    x6 = rounded_x(32767, 64, 2.0**-15, k=256)
     return [
         ("int8_linear", lambda x: module.int8_linear(x, packed8, scale), w8, float_x),
         ("q4_linear", lambda x: module.q4_linear(x, qs4, dm4), w4, float_x),
@@ -300,6 +309,7 @@ def _check_cases(module, n: int, g: torch.Generator) -> list[tuple]:
         ("q8_linear (groups of 16)", lambda x: module.q8_linear(x, qs16, ds16), w16, float_x),
         ("q8a16_linear", lambda x: module.q8a16_linear(x, qs8, ds8), w_q8, x16),
         ("q8a16_linear (groups of 16)", lambda x: module.q8a16_linear(x, qs16, ds16), w16, x16),
+        ("q6a16_linear", lambda x: module.q6a16_linear(x, qs6, scales6), w6, x6),
     ]
 
 
@@ -327,11 +337,28 @@ def pack_q4(
     [N / 32, K / 32, 2, 32] in d's dtype, or [.., 1, 32] with m None (Q4_0: the kernels take
     m = -8 d; Q5_0 in pack_q5: -16 d)."""
     n, k = q.shape
-    eights = q.view(n // TILE, TILE, k // 8, 8)
-    qs = (eights[..., :4] | (eights[..., 4:] << 4)).permute(0, 2, 1, 3)
     scales = [d] if m is None else [d, m]
     dm = torch.stack(scales, dim=-1).view(n // TILE, TILE, k // 32, len(scales))
-    return qs.reshape(n // TILE, k // 8, 4 * TILE), dm.permute(0, 2, 3, 1).contiguous()
+    return nibbles(q), dm.permute(0, 2, 3, 1).contiguous()
+
+
+def nibbles(q: torch.Tensor) -> torch.Tensor:
+    """pack_q4's qs of q uint8 [N, K] in 0..15: uint8 [N / 32, K / 8, 128]."""
+    n, k = q.shape
+    eights = q.view(n // TILE, TILE, k // 8, 8)
+    qs = (eights[..., :4] | (eights[..., 4:] << 4)).permute(0, 2, 1, 3)
+    return qs.reshape(n // TILE, k // 8, 4 * TILE)
+
+
+def bit_plane(bits: torch.Tensor) -> torch.Tensor:
+    """One bit a weight (uint8 [N, K] in 0..1) as a record's 32 bytes, little-endian: 128
+    bits for the records' low nibbles (bit 4o + j: output o's byte j), then 128 for the high
+    ones -> uint8 [N / 32, K / 8, 32]."""
+    n, k = bits.shape
+    halves = bits.view(n // TILE, TILE, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [.., 2, 32, 4]
+    weights = 1 << torch.arange(8, dtype=torch.int32)
+    packed = (halves.reshape(n // TILE, k // 8, 32, 8).to(torch.int32) * weights).sum(-1)
+    return packed.to(torch.uint8)
 
 
 def pack_q5(
@@ -341,24 +368,45 @@ def pack_q5(
     qs uint8 [N / 32, K / 8, 160], each record pack_q4's 128 bytes of low nibbles, then their
     fifth bits, little-endian: 128 bits for the low nibbles (bit 4o + j: output o's byte j),
     then 128 for the high ones; dm as pack_q4's."""
+    low, dm = pack_q4(q & 0x0F, d, m)
+    return torch.cat([low, bit_plane(q >> 4)], dim=-1), dm
+
+
+def pack_q6(
+    q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K's blocks (q uint8 [N, K] in 0..63, int8 sc [N, K / 16], fp16 d [N, K / 256]; w =
+    d * sc * (q - 32)) as q6a16 reads them: qs uint8 [N / 32, K / 8, 192], pack_q5's records
+    with a plane of sixth bits after the fifth; and scales uint8 [N / 32, K / 256, 576], per
+    tile and 256 weights the int8 sc [16, 32], then the fp16 d [32]."""
     n, k = q.shape
-    nibbles, dm = pack_q4(q & 0x0F, d, m)
-    fifth = (q >> 4).view(n // TILE, TILE, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [.., 2, 32, 4]
-    weights = 1 << torch.arange(8, dtype=torch.int32)
-    bits = (fifth.reshape(n // TILE, k // 8, 32, 8).to(torch.int32) * weights).sum(-1)
-    return torch.cat([nibbles, bits.to(torch.uint8)], dim=-1), dm
+    qs = torch.cat([nibbles(q & 0x0F), bit_plane((q >> 4) & 1), bit_plane(q >> 5)], dim=-1)
+    tiles, supers = n // TILE, k // 256
+    sc = sc.view(tiles, TILE, supers, 16).permute(0, 2, 3, 1).reshape(tiles, supers, 16 * TILE)
+    d = d.view(tiles, TILE, supers).transpose(1, 2).contiguous()
+    return qs, torch.cat([sc.view(torch.uint8), d.view(torch.uint8)], dim=-1).contiguous()
+
+
+def unpack_q6(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_q6's scales back to int8 sc [N, K / 16] and fp16 d [N, K / 256] (q: unpack_q4)."""
+    tiles, supers, _ = scales.shape
+    sc = scales[..., : 16 * TILE].contiguous().view(torch.int8).view(tiles, supers, 16, TILE)
+    d = scales[..., 16 * TILE :].contiguous().view(torch.float16)  # [tiles, supers, 32]
+    sc = sc.permute(0, 3, 1, 2).reshape(tiles * TILE, supers * 16)
+    return sc, d.transpose(1, 2).reshape(tiles * TILE, supers)
 
 
 def unpack_q4(qs: torch.Tensor) -> torch.Tensor:
-    """pack_q4's (or pack_q5's) qs back to q uint8 [N, K]."""
+    """pack_q4's (or pack_q5's, pack_q6's) qs back to q uint8 [N, K]."""
     tiles, groups, record = qs.shape
-    nibbles = qs[..., : 4 * TILE].reshape(tiles, groups, TILE, 4)
-    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # [.., 32, 8]
-    if record > 4 * TILE:
-        bits = qs[..., 4 * TILE :].reshape(tiles, groups, 2, TILE // 2, 1)
-        fifth = (bits >> torch.arange(8, dtype=torch.uint8)) & 1  # [.., 2, 16, 8]
-        fifth = fifth.reshape(tiles, groups, 2, TILE, 4)  # [.., low/high, output, j]
-        q = q | (torch.cat([fifth[:, :, 0], fifth[:, :, 1]], dim=-1) << 4)
+    low = qs[..., : 4 * TILE].reshape(tiles, groups, TILE, 4)
+    q = torch.cat([low & 0x0F, low >> 4], dim=-1)  # [.., 32, 8]
+    for plane in range((record - 4 * TILE) // TILE):  # fifth bits, then sixth
+        at = (4 + plane) * TILE
+        bits = qs[..., at : at + TILE].reshape(tiles, groups, 2, TILE // 2, 1)
+        bit = (bits >> torch.arange(8, dtype=torch.uint8)) & 1  # [.., 2, 16, 8]
+        bit = bit.reshape(tiles, groups, 2, TILE, 4)  # [.., low/high, output, j]
+        q = q | (torch.cat([bit[:, :, 0], bit[:, :, 1]], dim=-1) << (4 + plane))
     return q.permute(0, 2, 1, 3).reshape(tiles * TILE, groups * 8)
 
 

@@ -20,19 +20,25 @@ using decode_math::silu_mul;
 // A decode matrix, told apart by its tensors' dtypes and shapes: int8 per output channel
 // (int8 packed weights, float32 scales [N]: int8_gemm.cpp), a GGUF's own Q4 or Q5 blocks
 // (uint8 qs [.., 128] for Q4, [.., 160] for Q5; fp16 d and m, d alone for Q4_0 and Q5_0, or
-// float32 for the K-quants' groups of 32) or Q8 blocks (int8 qs; fp16 d per 32, or float32 per 16: Q6_K's):
+// float32 for the K-quants' groups of 32), Q6 blocks (uint8 qs [.., 192] and scales: Q6_K's,
+// always with int16 activations) or Q8 blocks (int8 qs; fp16 d per 32, or float32 per 16):
 // blocks_gemm.cpp and rounded_gemm.cpp.
 struct Mat {
   torch::Tensor a, b;
   int64_t q4_activation_bits = 32;  // what Q4 and Q5 blocks multiply: float32, int16 or int8 x
-  bool q4() const { return a.scalar_type() == torch::kByte; }  // Q5 too
+  bool q4() const { return a.scalar_type() == torch::kByte; }  // Q5 and Q6 too
   bool int8() const { return !q4() && b.dim() == 1; }
   bool q5() const { return q4() && a.size(2) == Q5_RECORD; }
+  bool q6() const { return q4() && a.size(2) == Q6_RECORD; }
   int64_t n() const { return int8() ? b.size(0) : a.size(0) * 32; }
   int64_t k() const { return q4() ? a.size(1) * 8 : int8() ? a.size(1) : a.size(1) * 2; }
   void operator()(const float* x, float* y, int64_t rows) const {
     if (int8()) {
       int8_gemm(x, a.data_ptr<int8_t>(), b.data_ptr<float>(), y, rows, k(), n());
+      return;
+    }
+    if (q6()) {
+      q6a16_gemm(x, a.data_ptr<uint8_t>(), b.data_ptr<uint8_t>(), y, rows, k(), n());
       return;
     }
     if (b.scalar_type() == torch::kFloat) {
@@ -209,6 +215,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "y = x . W^T, W a GGUF's 4-bit blocks packed by pack_q4");
   m.def("q8_linear", &q8_linear, "y = x . W^T, W a GGUF's Q8_0 blocks packed by pack_q8");
   m.def("q8a16_linear", &q8a16_linear, "q8_linear with x rounded to int16 per block of 32");
+  m.def("q6a16_linear", &q6a16_linear,
+        "y = x . W^T, W a GGUF's Q6_K blocks packed by pack_q6, x rounded to int16 per 32");
   m.def("q4a8_linear", &q4a8_linear, "q4_linear with x rounded to int8 per block of 32");
   m.def("q4a16_linear", &q4a16_linear, "q4_linear with x rounded to int16 per block of 32");
   m.def("prefill_attention", &prefill_attention,

@@ -1,7 +1,7 @@
 """What every decode weight offers (`DecodeWeight`), whatever it stores: int8 per channel
-(int8_weight.py), a GGUF's own 4-bit blocks (int4.py) or Q8_0 blocks (q8_weight.py); which
-one a matrix gets (`decode_weight_for`); and the helpers that take a matrix either as a float
-tensor or as a decode weight.
+(int8_weight.py), a GGUF's own 4-bit blocks (int4.py), Q6_K blocks (q6_weight.py) or Q8_0
+blocks (q8_weight.py); which one a matrix gets (`decode_weight_for`); and the helpers that
+take a matrix either as a float tensor or as a decode weight.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import Tensor
 
 from . import int4
 from .int8_weight import Int8Weight
+from .q6_weight import Q6Weight, fits_q6
 from .q8_weight import Q8Weight, fits_q8
 from .weights import RawBlocks
 
@@ -26,7 +27,7 @@ class DecodeWeight(Protocol):
     w: Tensor  # the float weights [N, K]: what calls of more than `max_rows` rows multiply
     kernel: object | None  # mashbox's CPU kernels where this weight runs on them, else None
     max_rows: int  # rows up to which a call reads the compact form
-    kind: str  # "int8", "q8_0", "int4", "int4a16" or "int4a8": what Engine reports
+    kind: str  # "int8", "q8_0", "q6_k", "int4", "int4a16" or "int4a8": what Engine reports
     activation_bits: int  # what activations are rounded to per block of 32 (32: not rounded)
 
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -42,17 +43,19 @@ class DecodeWeight(Protocol):
 def decode_weight_for(w: Tensor, blocks: list[RawBlocks | None], kind: str) -> DecodeWeight:
     """int4: the file's own 4-bit (or, on mashbox's kernels, Q8_0) blocks where every part
     has them, int8 otherwise; int4a16 / int4a8: the same, the 4-bit blocks taking int16 /
-    int8 activations and the Q8 blocks int16 ones."""
+    int8 activations and the Q6_K and Q8 blocks int16 ones."""
     activations = int4.BLOCK_KINDS.get(kind)
     if activations and int4.fits(blocks):
         return int4.Int4Weight(w, blocks, activations=activations)
+    if activations in ("int16", "int8") and fits_q6(blocks):
+        return Q6Weight(w, blocks)
     if activations and fits_q8(blocks):
         return Q8Weight(w, blocks, activations="float" if activations == "float" else "int16")
     return Int8Weight(w)
 
 
 # How compact each kind is, the smallest first (a model's 4-bit matrices share one kind).
-COMPACTNESS = {**dict.fromkeys(int4.BLOCK_KINDS, 0), "q8_0": 1, "int8": 2}
+COMPACTNESS = {**dict.fromkeys(int4.BLOCK_KINDS, 0), "q6_k": 1, "q8_0": 2, "int8": 3}
 
 
 def most_compact_kind(weights: Iterable) -> str:

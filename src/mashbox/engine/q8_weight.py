@@ -6,8 +6,9 @@ throughout):
 - Q5_0 and Q4_0 blocks are Q8_0 blocks with small values: q - 16 or q - 8, the same d.
 - Q6_K (256 weights: 6-bit q, an int8 scale sc per 16, fp16 d) is w = (d * sc) * (q - 32):
   int8 q - 32 in groups of 16 with float32 d * sc, exact (an fp16 times an int8 has at most
-  19 significant bits). 1.25 bytes a weight where the file has 0.82 and int8 per channel ~1:
-  the price of reading the file's weights exactly.
+  19 significant bits). 1.25 bytes a weight where the file has 0.82 and int8 per channel ~1;
+  q6_weight.py reads them as stored where a matrix is Q6_K throughout and its activations
+  are rounded to integers (int4a16, int4a8).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import Tensor
 
 from . import cpu_kernels
 from .int4 import BLOCKS_MAX_ROWS, Q4_MAX_ROWS, unpack
+from .q6_weight import q6_k_as_int8
 from .weights import RawBlocks
 
 Q8_QTYPES = (Q.Q8_0, Q.Q6_K, Q.Q5_0, Q.Q4_0)  # whose weights are int8 values times a scale
@@ -33,29 +35,12 @@ def fits_q8(blocks: list[RawBlocks | None]) -> bool:
     return rows % cpu_kernels.TILE == 0 and cpu_kernels.load() is not None
 
 
-def unpack_q6_k(b: Tensor) -> tuple[Tensor, Tensor]:
-    """Q6_K blocks uint8 [N, K / 256, 210] (ql[128], qh[64], int8 scales[16], fp16 d) as int8
-    q - 32 [N, K] and float32 d * sc [N, K / 16]. Weight 128h + 64s + j (j < 64) has low
-    nibble s of ql[64h + j]; weight 128h + 32s + j (j < 32) has bits 2s, 2s + 1 of qh[32h + j]
-    as its top two."""
-    n = b.shape[0]
-    ql = b[..., :128].reshape(n, -1, 2, 1, 64)
-    low = torch.cat([ql & 0x0F, ql >> 4], dim=-2).reshape(n, -1, 256)
-    qh = b[..., 128:192].reshape(n, -1, 2, 1, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
-    high = ((qh >> shifts) & 3).reshape(n, -1, 256)
-    q = (low | (high << 4)).to(torch.int8) - 32
-    sc = b[..., 192:208].contiguous().view(torch.int8).float()
-    d = b[..., 208:210].contiguous().view(torch.float16).float()
-    return q.reshape(n, -1), (d * sc).reshape(n, -1)
-
-
 def int8_blocks(blocks: RawBlocks) -> tuple[Tensor, Tensor]:
     """A part's weights as int8 q [N, K] and scales: fp16 d [N, K / 32] (Q8_0, Q5_0, Q4_0) or
     float32 d [N, K / 16] (Q6_K): w = q * d."""
     b = blocks.data
     if blocks.qtype == Q.Q6_K:
-        return unpack_q6_k(b)
+        return q6_k_as_int8(b)
     if blocks.qtype == Q.Q8_0:
         d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
         return b[..., 2:].contiguous().view(torch.int8).reshape(b.shape[0], -1), d

@@ -4,9 +4,10 @@
 
 // y[M, N] = x[M, K] . W^T with W a GGUF file's own Q4 or Q5 blocks (packed as for q4_gemm and
 // q5_gemm, blocks_gemm.cpp: Q4_0 / Q4_1 / Q5_0 / Q5_1 with fp16 d and m, Q4_K's and Q5_K's
-// groups of 32 with float32 ones), or its Q8 blocks (q8a16), and the activations rounded to
-// integers per block of 32, for exact integer dot products. One kernel for the 4- and 5-bit
-// blocks and int8 or int16 activations, unpacking a record's bytes once for all its rows.
+// groups of 32 with float32 ones), its Q6_K blocks (q6a16) or its Q8 blocks (q8a16), and the
+// activations rounded to integers per block of 32, for exact integer dot products. One kernel
+// for the 4-, 5- and 6-bit blocks and int8 or int16 activations, unpacking a record's bytes
+// once for all its rows.
 
 #define UNROLL _Pragma("GCC unroll 16")
 
@@ -18,10 +19,11 @@ static constexpr int64_t TILE = TILE_LANES, BLOCK = 32;
 // unsigned, so that both take int8 dot products (dot4). dx and xs = dx * sum(xq) per block.
 // (The Q8 blocks' int8 weights are signed: they take int16 xq whole, two to a lane.)
 struct Rounded {
-  std::vector<int8_t> high;    // int8 xq, or int16 xq's high bytes [rows, K]
-  std::vector<uint8_t> low;    // int16 xq's low bytes (empty for int8)
-  std::vector<int16_t> whole;  // or int16 xq whole (WHOLE), and no bytes
-  std::vector<float> dx, xs;   // [rows, K / 32]
+  std::vector<int8_t> high;     // int8 xq, or int16 xq's high bytes [rows, K]
+  std::vector<uint8_t> low;     // int16 xq's low bytes (empty for int8)
+  std::vector<int16_t> whole;   // or int16 xq whole (WHOLE), and no bytes
+  std::vector<float> dx, xs;    // [rows, K / 32]
+  std::vector<int32_t> sums16;  // int16 xq's sums per 16 [rows, K / 16] (Q6's 32 * sum)
 };
 
 // x[rows, K] rounded to -LIMIT..LIMIT per block (to nearest even): 127 or 32767.
@@ -30,7 +32,7 @@ static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
   const int64_t blocks = rows * (K / BLOCK), bytes = WHOLE ? 0 : rows * K;
   Rounded r{std::vector<int8_t>(bytes), std::vector<uint8_t>(LIMIT > 127 ? bytes : 0),
             std::vector<int16_t>(WHOLE ? rows * K : 0), std::vector<float>(blocks),
-            std::vector<float>(blocks)};
+            std::vector<float>(blocks), std::vector<int32_t>(LIMIT > 127 ? 2 * blocks : 0)};
   for (int64_t i = 0; i < blocks; ++i) {
     const float* p = x + i * BLOCK;
 #if defined(__AVX512F__)
@@ -41,7 +43,7 @@ static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
     const float d = amax / static_cast<float>(LIMIT), inv = d != 0.0f ? 1.0f / d : 0.0f;
     const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
     const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
-    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    const int32_t halves[2] = {_mm512_reduce_add_epi32(qa), _mm512_reduce_add_epi32(qb)};
     if constexpr (WHOLE) {
       auto* whole = reinterpret_cast<__m256i*>(r.whole.data() + i * BLOCK);
       _mm256_storeu_si256(whole, _mm512_cvtepi32_epi16(qa));
@@ -62,7 +64,7 @@ static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
     float amax = 0.0f;
     for (int64_t k = 0; k < BLOCK; ++k) amax = std::max(amax, std::fabs(p[k]));
     const float d = amax / static_cast<float>(LIMIT), inv = d != 0.0f ? 1.0f / d : 0.0f;
-    int32_t sum = 0;
+    int32_t halves[2] = {0, 0};
     for (int64_t k = 0; k < BLOCK; ++k) {
       const int32_t q = static_cast<int32_t>(std::nearbyint(p[k] * inv));
       if constexpr (WHOLE) {
@@ -73,21 +75,31 @@ static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
       } else {
         r.high[i * BLOCK + k] = static_cast<int8_t>(q);
       }
-      sum += q;
+      halves[k / 16] += q;
     }
 #endif
+    if constexpr (LIMIT > 127) r.sums16[2 * i] = halves[0], r.sums16[2 * i + 1] = halves[1];
     r.dx[i] = d;
-    r.xs[i] = d * static_cast<float>(sum);
+    r.xs[i] = d * static_cast<float>(halves[0] + halves[1]);
   }
   return r;
+}
+
+// How a record's weights are scaled: Q4 and Q5 blocks per 32 (d and m, their scales a
+// tile's [K / 32][1 or 2][32], of type S), Q6's per 16 (Q6_SCALES bytes a tile and 256).
+template <int RECORD>
+constexpr int64_t GROUP = RECORD == Q6_RECORD ? Q6_GROUP : BLOCK;
+template <int RECORD>
+static int64_t tile_scales(int64_t K, int derived_m) {
+  return RECORD == Q6_RECORD ? K / Q6_SUPER * Q6_SCALES
+                             : K / BLOCK * scales_per_block(derived_m) * TILE;
 }
 
 // A block's integer sums into out: out += d * (sum * dx) + m * xs, the same order for both.
 template <int V, int MB, typename S>
 static inline void add_block_sums(const vint (&sum)[MB][V], const Rounded& x, const S* dm,
-                                  int derived_m,
-                                  float (&out)[MB][V * LANES], int64_t b, int64_t m0,
-                                  int64_t blocks, int64_t tile_dm) {
+                                  int derived_m, float (&out)[MB][V * LANES], int64_t b,
+                                  int64_t m0, int64_t blocks, int64_t tile_dm) {
   UNROLL for (int v = 0; v < V; ++v) {
     vfloat d, m;
     block_scales(dm + vec_offset(v, tile_dm) + b * scales_per_block(derived_m) * TILE, derived_m,
@@ -102,26 +114,66 @@ static inline void add_block_sums(const vint (&sum)[MB][V], const Rounded& x, co
   }
 }
 
+// A Q6 group's (16 weights') sums into out: sum((q - 32) * xq) (rounded_block starts each at
+// -32 * sum(xq)), the integer q8a16_block sums over the same weights, then out += (d * sc) *
+// (sum * dx) in its order, d * sc exact in float32 (an fp16 times an int8): the same bits as
+// q8a16_gemm's groups of 16.
+template <int V, int MB>
+static inline void add_q6_sums(const vint (&sum)[MB][V], const Rounded& x,
+                               const uint8_t* scales, int v0, float (&out)[MB][V * LANES],
+                               int64_t b, int64_t m0, int64_t K, int64_t tile_scales) {
+  const int64_t at = b / (Q6_SUPER / Q6_GROUP) * Q6_SCALES;
+  UNROLL for (int v = 0; v < V; ++v) {
+    const uint8_t* s = scales + (v0 + v) / VPT * tile_scales + at;
+    const int lane = (v0 + v) % VPT * LANES;
+    const auto* sc = reinterpret_cast<const int8_t*>(s) + b % (Q6_SUPER / Q6_GROUP) * TILE;
+    const auto* d = reinterpret_cast<const uint16_t*>(s + Q6_SUPER / Q6_GROUP * TILE);
+    const vfloat dsc = vmul(from_half(d + lane), to_float(widen_i8(sc + lane)));
+    UNROLL for (int j = 0; j < MB; ++j) {
+      const float* dx = x.dx.data() + (m0 + j) * (K / BLOCK) + b / 2;
+      const vfloat qx = vmul(to_float(sum[j][v]), vbroadcast(dx));
+      vstore(out[j] + v * LANES, vfma(dsc, qx, vload(out[j] + v * LANES)));
+    }
+  }
+}
+
+// A scale group's sums into out, by the record's kind; scales: the tile's.
+template <int V, int MB, int RECORD, typename S>
+static inline void add_group_sums(const vint (&sum)[MB][V], const Rounded& x, const S* scales,
+                                  int v0, int derived_m, float (&out)[MB][V * LANES], int64_t b,
+                                  int64_t m0, int64_t K) {
+  const int64_t tile = tile_scales<RECORD>(K, derived_m);
+  if constexpr (RECORD == Q6_RECORD)
+    add_q6_sums<V, MB>(sum, x, scales, v0, out, b, m0, K, tile);
+  else
+    add_block_sums<V, MB>(sum, x, scales + v0 * LANES, derived_m, out, b, m0, K / BLOCK, tile);
+}
+
 // V vectors of LANES outputs for MB rows (vectors v0.. of the tile at qs, as q4_block in
-// blocks_gemm.cpp). Per block, an exact int32 sum of q * xq an output: with int8 xq, the
-// weights' bytes (unsigned) times xq's (signed); with int16, 256 * (weights times the high
-// bytes) + (the low bytes, unsigned, times the weights, signed: 0..31 is both). Integer sums
-// have no order, so a row's bits depend only on the row: the same at any M and either width.
-// Block sums stay below 32 * 31 * 32767 < 2^31.
+// blocks_gemm.cpp). Per scale group (GROUP), an exact int32 sum of q * xq an output: with
+// int8 xq, the weights' bytes (unsigned) times xq's (signed); with int16, 256 * (weights times
+// the high bytes) + (the low bytes, unsigned, times the weights, signed: 0..63 is both).
+// Integer sums have no order, so a row's bits depend only on the row: the same at any M and
+// either width. Group sums stay below 32 * 31 * 32767 (16 * 63 * 32767 for Q6) < 2^31.
 template <int V, int MB, int RECORD, bool INT16, typename S>
-static inline void rounded_block(const Rounded& x, const uint8_t* qs, int v0, const S* dm,
+static inline void rounded_block(const Rounded& x, const uint8_t* qs, int v0, const S* scales,
                                  int derived_m, float* y, int64_t n0, int64_t m0, int64_t K,
                                  int64_t N) {
-  const int64_t blocks = K / BLOCK, tile_qs = K / 8 * RECORD,
-                tile_dm = blocks * scales_per_block(derived_m) * TILE;
+  constexpr int64_t G = GROUP<RECORD>;
+  const int64_t tile_qs = K / 8 * RECORD;
   alignas(64) float out[MB][V * LANES] = {};
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = 0; b < K / G; ++b) {
     vint sum[MB][V], low_sum[MB][V], second[V], low_second[V];
-    UNROLL for (int j = 0; j < MB; ++j)
-      UNROLL for (int v = 0; v < V; ++v) sum[j][v] = low_sum[j][v] = vzero_int();
+    UNROLL for (int j = 0; j < MB; ++j) {
+      // Q6: sum((q - 32) * xq) = sum(q * xq) - 32 * sum(xq), exactly; the offset from the start
+      const vint start = RECORD == Q6_RECORD
+                             ? vset_int(-32 * x.sums16[(m0 + j) * (K / G) + b])
+                             : vzero_int();
+      UNROLL for (int v = 0; v < V; ++v) sum[j][v] = vzero_int(), low_sum[j][v] = start;
+    }
     UNROLL for (int v = 0; v < V; ++v) second[v] = low_second[v] = vzero_int();
-    UNROLL for (int group = 0; group < BLOCK / 8; ++group) {
-      const int64_t g = b * BLOCK / 8 + group;
+    UNROLL for (int group = 0; group < G / 8; ++group) {
+      const int64_t g = b * G / 8 + group;
       vint low[V], high[V];  // weights k..k+3 and k+4..k+7 of LANES outputs
       UNROLL for (int v = 0; v < V; ++v)
         weight_bytes<RECORD>(qs, v0 + v, g, tile_qs, low[v], high[v]);
@@ -154,27 +206,28 @@ static inline void rounded_block(const Rounded& x, const uint8_t* qs, int v0, co
     if constexpr (INT16)
       UNROLL for (int j = 0; j < MB; ++j)
         UNROLL for (int v = 0; v < V; ++v) sum[j][v] = shift_add(sum[j][v], 8, low_sum[j][v]);
-    add_block_sums<V, MB>(sum, x, dm, derived_m, out, b, m0, blocks, tile_dm);
+    add_group_sums<V, MB, RECORD>(sum, x, scales, v0, derived_m, out, b, m0, K);
   }
   store_rows<V, MB>(out, y, n0, m0, N);
 }
 
 // Several rows with int16 activations, whole (quantize_rows' WHOLE): vector v0's weight
 // bytes widened to words once for all MB rows, two lanes an output (half_words), times
-// xq[k..k+3] (dot2), the pairs of lanes summed at the block's end. The same exact sums as
+// xq[k..k+3] (dot2), the pairs of lanes summed at the group's end. The same exact sums as
 // rounded_block's, with half the broadcasts and one sum a row and half-vector.
 template <int MB, int RECORD, typename S>
-static inline void words_block(const Rounded& x, const uint8_t* qs, int v0, const S* dm,
+static inline void words_block(const Rounded& x, const uint8_t* qs, int v0, const S* scales,
                                int derived_m, float* y, int64_t n0, int64_t m0, int64_t K,
                                int64_t N) {
-  const int64_t blocks = K / BLOCK, tile_qs = K / 8 * RECORD,
-                tile_dm = blocks * scales_per_block(derived_m) * TILE;
+  static_assert(RECORD != Q6_RECORD, "Q6 blocks start their sums at an offset: rounded_block");
+  constexpr int64_t G = GROUP<RECORD>;
+  const int64_t tile_qs = K / 8 * RECORD;
   alignas(64) float out[MB][LANES] = {};
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = 0; b < K / G; ++b) {
     vint first[MB], second[MB];  // the vector's first and second half of outputs
     UNROLL for (int j = 0; j < MB; ++j) first[j] = second[j] = vzero_int();
-    UNROLL for (int group = 0; group < BLOCK / 8; ++group) {
-      const int64_t g = b * BLOCK / 8 + group;
+    UNROLL for (int group = 0; group < G / 8; ++group) {
+      const int64_t g = b * G / 8 + group;
       vint low, high;
       weight_bytes<RECORD>(qs, v0, g, tile_qs, low, high);
       const vint w0 = half_words<0>(low), w1 = half_words<1>(low);
@@ -188,40 +241,43 @@ static inline void words_block(const Rounded& x, const uint8_t* qs, int v0, cons
     }
     vint sum[MB][1];
     UNROLL for (int j = 0; j < MB; ++j) sum[j][0] = pair_sums(first[j], second[j]);
-    add_block_sums<1, MB>(sum, x, dm, derived_m, out, b, m0, blocks, tile_dm);
+    add_group_sums<1, MB, RECORD>(sum, x, scales, v0, derived_m, out, b, m0, K);
   }
   store_rows<1, MB>(out, y, n0, m0, N);
 }
 
 // Round x per block (quantize_rows), then spread the tiles as q4_gemm does.
 template <bool INT16, int RECORD, typename S>
-static void rounded_gemm(const float* x, const uint8_t* qs, const S* dm, float* y, int64_t M,
+static void rounded_gemm(const float* x, const uint8_t* qs, const S* scales, float* y, int64_t M,
                          int64_t K, int64_t N, int derived_m) {
   const int64_t tiles = N / TILE, tile_qs = K / 8 * RECORD,
-                tile_dm = K / BLOCK * scales_per_block(derived_m) * TILE;
-  // One row: int16 as bytes (rounded_block); several: whole (words_block).
-  const Rounded r = INT16 && M > 1 ? quantize_rows<32767, true>(x, M, K)
+                tile_s = tile_scales<RECORD>(K, derived_m);
+  // One row: int16 as bytes (rounded_block); several: whole (words_block), but for Q6, whose
+  // groups of 16 would pay words_block's pair sums twice as often.
+  constexpr bool WORDS = INT16 && RECORD != Q6_RECORD;
+  const Rounded r = WORDS && M > 1 ? quantize_rows<32767, true>(x, M, K)
                                    : quantize_rows<INT16 ? 32767 : 127>(x, M, K);
   auto tile = [&](auto v_count, auto rows, int64_t t, int v0, int64_t m) {
     constexpr int V = decltype(v_count)::value, MB = decltype(rows)::value;
-    rounded_block<V, MB, RECORD, INT16>(r, qs + t * tile_qs, v0, dm + t * tile_dm + v0 * LANES,
-                                        derived_m, y, t * TILE + v0 * LANES, m, K, N);
+    rounded_block<V, MB, RECORD, INT16>(r, qs + t * tile_qs, v0, scales + t * tile_s, derived_m,
+                                        y, t * TILE + v0 * LANES, m, K, N);
   };
   using std::integral_constant;
-  // Several rows of int8: R rows x 2 vectors a block, each x broadcast shared by both.
-  constexpr int R = ACCUMULATORS / 2;
+  // Several rows as bytes: R rows x 2 vectors a block, each x broadcast shared by both (int16
+  // as two bytes: two sums each, half the rows).
+  constexpr int R = INT16 ? ACCUMULATORS / 4 : ACCUMULATORS / 2;
   over_tiles(
       M, tiles,
       [&](int64_t t) { tile(integral_constant<int, 2 * VPT>{}, integral_constant<int, 1>{}, t, 0, 0); },
       [&](int64_t t) { tile(integral_constant<int, VPT>{}, integral_constant<int, 1>{}, t, 0, 0); },
       [&](int64_t t) {
         int64_t m = 0;
-        if constexpr (INT16) {
+        if constexpr (WORDS) {
           auto words = [&](auto rows, int64_t m) {
             for (int v0 = 0; v0 < VPT; ++v0)
               words_block<decltype(rows)::value, RECORD>(r, qs + t * tile_qs, v0,
-                                                         dm + t * tile_dm + v0 * LANES, derived_m,
-                                                         y, t * TILE + v0 * LANES, m, K, N);
+                                                         scales + t * tile_s, derived_m, y,
+                                                         t * TILE + v0 * LANES, m, K, N);
           };
           for (; M - m >= ACCUMULATORS / 2; m += ACCUMULATORS / 2)
             words(integral_constant<int, ACCUMULATORS / 2>{}, m);
@@ -274,6 +330,11 @@ void q5a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y,
 void q5a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
                 int64_t K, int64_t N, int derived_m) {
   rounded_gemm<true, Q5_RECORD>(x, qs, dm, y, M, K, N, derived_m);
+}
+
+void q6a16_gemm(const float* x, const uint8_t* qs, const uint8_t* scales, float* y, int64_t M,
+                int64_t K, int64_t N) {
+  rounded_gemm<true, Q6_RECORD>(x, qs, scales, y, M, K, N, 0);
 }
 
 // ---- Q8 blocks x int16 activations (q8a16) ------------------------------------------------

@@ -1,0 +1,95 @@
+"""Q6_K decode weights read as stored (`Q6Weight`): the file's 6-bit q, int8 scale per 16
+weights and fp16 d per 256, 0.82 bytes a weight where q8_weight.py's int8 q - 32 with float32
+d * sc per 16 read 1.25 (qwen2.5-coder-0.5b's Q6_K ffn_down: 65 MB a step that are 43 here).
+The activations are rounded to int16 per block of 32, and the kernel (rounded_gemm.cpp,
+q6a16) gives the same bits as Q8Weight's over the same matrix. Prefill chunks take Q8Weight's
+form (kept too): unpacking six bits costs more than reading them once the rows are many.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from torch import Tensor
+
+from . import cpu_kernels
+from .int4 import Q4_MAX_ROWS
+from .weights import RawBlocks
+
+
+def fits_q6(blocks: list[RawBlocks | None]) -> bool:
+    """Whether a matrix's parts are all Q6_K blocks that mashbox's kernel can read."""
+    if not blocks or any(b is None or b.qtype != Q.Q6_K for b in blocks):
+        return False
+    rows = sum(b.data.shape[0] for b in blocks)
+    return rows % cpu_kernels.TILE == 0 and cpu_kernels.load() is not None
+
+
+def unpack_q6_k(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Q6_K blocks uint8 [N, K / 256, 210] (ql[128], qh[64], int8 scales[16], fp16 d) as q
+    uint8 [N, K] in 0..63, int8 sc [N, K / 16] and fp16 d [N, K / 256]: w = d * sc * (q - 32).
+    Weight 128h + 64s + j (j < 64) has low nibble s of ql[64h + j]; weight 128h + 32s + j
+    (j < 32) has bits 2s, 2s + 1 of qh[32h + j] as its top two."""
+    n = b.shape[0]
+    ql = b[..., :128].reshape(n, -1, 2, 1, 64)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=-2).reshape(n, -1, 256)
+    qh = b[..., 128:192].reshape(n, -1, 2, 1, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    high = ((qh >> shifts) & 3).reshape(n, -1, 256)
+    sc = b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)
+    d = b[..., 208:210].contiguous().view(torch.float16).reshape(n, -1)
+    return (low | (high << 4)).reshape(n, -1), sc, d
+
+
+def q6_k_as_int8(b: Tensor) -> tuple[Tensor, Tensor]:
+    """Q6_K blocks as int8 q - 32 [N, K] and float32 d * sc [N, K / 16], exact (an fp16 times
+    an int8 has at most 19 significant bits): Q8Weight's groups of 16."""
+    q, sc, d = unpack_q6_k(b)
+    return q.to(torch.int8) - 32, d.float().repeat_interleave(16, 1) * sc.float()
+
+
+class Q6Weight:
+    """A weight kept three times: float for calls of more rows than a prefill chunk, int8 q - 32
+    in groups of 16 (pack_q8, as Q8Weight) for prefill chunks, and the file's Q6_K blocks
+    (pack_q6) for decode steps (up to `DECODE_ROWS` rows): the same bits from all but float."""
+
+    kind = "q6_k"
+    activation_bits = 16
+    max_rows = Q4_MAX_ROWS["int16"]
+    # Up to how many rows the six bits are read: at 8 rows of qwen2.5's ffn_down the 6-bit
+    # kernel took 1.3x the int8 one's time (unpacking, compute-bound), at 4 rows 0.84x, at
+    # 1 row 0.71x (bench/q6_rows.py). A decode step's rows (DecodeStack) always take them.
+    DECODE_ROWS = 4
+
+    def __init__(self, w: Tensor, blocks: list[RawBlocks]):
+        q, sc, d = (torch.cat(p) for p in zip(*(unpack_q6_k(b.data) for b in blocks), strict=True))
+        if q.shape != w.shape:
+            raise ValueError(f"blocks of shape {tuple(q.shape)} for a weight {tuple(w.shape)}")
+        self.w = w
+        self.kernel = cpu_kernels.load()
+        self.qs, self.scales = cpu_kernels.pack_q6(q, sc, d)
+        q8, d8 = (torch.cat(p) for p in zip(*(q6_k_as_int8(b.data) for b in blocks), strict=True))
+        self.qs8, self.d8 = cpu_kernels.pack_q8(q8, d8)
+
+    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        rows, x32 = x.shape[0], x.float().contiguous()
+        if rows > self.max_rows:
+            return F.linear(x, self.w, bias)
+        if rows > self.DECODE_ROWS:
+            y = self.kernel.q8a16_linear(x32, self.qs8, self.d8)
+        else:
+            y = self.kernel.q6a16_linear(x32, self.qs, self.scales)
+        y = y.to(x.dtype)
+        return y + bias if bias is not None else y
+
+    @property
+    def decode_tensors(self) -> tuple[Tensor, ...]:
+        return self.qs, self.scales
+
+    def dequantized(self) -> Tensor:
+        """The weights the kernel multiplies by, float32 [N, K], read back from its packing."""
+        q = cpu_kernels.unpack_q4(self.qs).float() - 32
+        sc, d = cpu_kernels.unpack_q6(self.scales)
+        scale = d.float().repeat_interleave(16, 1) * sc.float()
+        return q * scale.repeat_interleave(16, 1)
