@@ -16,7 +16,7 @@ from mashbox.engine import cpu_kernels, gguf_file, kernel_build
 from mashbox.engine.decode_weight import decode_weight_for
 from mashbox.engine.dequant import dequantize
 from mashbox.engine.engine import Engine
-from mashbox.engine.int4 import BLOCK_KINDS, Int4Weight, q4_k_scales, unpack
+from mashbox.engine.int4 import BLOCK_KINDS, Int4Weight, k_scales, q4_k_scales, unpack
 from mashbox.engine.int8_weight import Int8Weight
 from mashbox.engine.weights import RawBlocks
 from mashbox.tiny import random_weights
@@ -112,8 +112,9 @@ def test_q4_k_weights_read_exactly_and_each_row_alone_as_in_any_batch(activation
     raw = random_q4_k(64, 512, seed=3)
     ref = reference(raw)
     weight = Int4Weight(ref, [blocks_of(raw)], activations=activations)
-    assert weight.kernel is cpu_kernels.load() and weight.dm.dtype == torch.float32
-    assert weight.activations == activations
+    assert weight.kernel is cpu_kernels.load() and weight.activations == activations
+    # float32 d and m for float32 activations, else the scales as stored
+    assert weight.dm.dtype == (torch.float32 if activations == "float" else torch.uint8)
     assert torch.equal(weight.dequantized(), ref)
     x = rows_up_to_the_float_path(weight, 512)
     alone = torch.cat([weight(x[i : i + 1]) for i in range(weight.max_rows)])
@@ -145,6 +146,35 @@ def test_float32_scales_give_the_q4_1_kernels_bits_at_every_row_count(activation
     x = rows_up_to_the_float_path(k_weight, 768)
     for rows in range(1, k_weight.max_rows + 1):
         assert torch.equal(k_weight(x[:rows]), q4_1(x[:rows])), rows
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K])
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_k_scales_as_stored_give_the_float32_scales_bits(qtype, activations):
+    """With rounded activations the K-quants' scales are read as stored (six-bit sc and mn,
+    fp16 d and dmin: 20 bytes an output and 256 weights, float32 d and m 64): the kernels
+    form the same exact d * sc and -dmin * mn, so the same bits at every row count."""
+    raw = random_q4_k(96, 768, seed=9) if qtype == Q.Q4_K else random_k5(96, 768, seed=9)
+    blocks = RawBlocks(qtype, torch.from_numpy(raw))
+    weight = Int4Weight(dequantize(raw.reshape(-1), qtype, (96, 768)), [blocks],
+                        activations=activations)  # fmt: skip
+    assert weight.dm.dtype == torch.uint8 and weight.dm.nbytes == 96 * 768 // 256 * 20
+    sc, mn, d, dmin = k_scales(blocks.data)
+    assert all(map(torch.equal, cpu_kernels.unpack_k_scales(weight.dm), (sc, mn, d, dmin)))
+    float32 = cpu_kernels.pack_scales(*unpack(blocks)[1:])
+    assert torch.equal(weight.dequantized(), weight.w)
+    matmul = getattr(weight.kernel, "q4a16_linear" if activations == "int16" else "q4a8_linear")
+    x = torch.randn(weight.max_rows, 768, generator=torch.Generator().manual_seed(10))
+    for rows in [*range(1, 34), 64, weight.max_rows]:
+        want = matmul(x[:rows], weight.qs, float32)
+        assert torch.equal(matmul(x[:rows], weight.qs, weight.dm), want), rows
+
+
+def random_k5(n: int, k: int, seed: int) -> np.ndarray:
+    """Q5_K blocks: random_q4_k's d, dmin and scales, 32 bytes of fifth bits, its nibbles."""
+    q4 = random_q4_k(n, k, seed)
+    fifth = np.random.default_rng(seed + 1).integers(0, 256, (*q4.shape[:2], 32), np.uint8)
+    return np.concatenate([q4[..., :16], fifth, q4[..., 16:]], axis=-1)
 
 
 def test_decode_weights_take_q4_k_alone_or_merged_with_q4_0():
@@ -212,7 +242,9 @@ def test_every_layer_matrix_reads_the_files_q4_k_weights(engine):
     for layer in engine.model.layers:
         for name in ("wqkv", "wo", "w_gate_up", "w_down"):
             weight = layer[name]
-            assert isinstance(weight, Int4Weight) and weight.dm.dtype == torch.float32, name
+            assert isinstance(weight, Int4Weight), name
+            scales = torch.float32 if engine.model.decode_kind == "int4" else torch.uint8
+            assert weight.dm.dtype == scales, name
             assert torch.equal(weight.dequantized(), weight.w), name
 
 

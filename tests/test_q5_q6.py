@@ -89,8 +89,12 @@ def test_q5_weights_read_exactly_and_each_row_alone_as_in_any_batch(qtype, activ
     weight = Int4Weight(ref, [blocks_of(qtype, raw)], activations=activations)
     assert weight.kernel is cpu_kernels.load() and weight.qs.shape == (3, 96, 160)
     assert weight.activations == activations
-    # Q5_0's m = -16 d is the kernels' to derive: d alone is read
-    assert weight.dm.shape == (3, 24, 1 if qtype == Q.Q5_0 else 2, 32)
+    # Q5_0's m = -16 d is the kernels' to derive: d alone is read; Q5_K's scales as stored
+    # where activations are rounded (test_kquant.py)
+    if qtype == Q.Q5_K and activations != "float":
+        assert weight.dm.shape == (3, 3, 640)
+    else:
+        assert weight.dm.shape == (3, 24, 1 if qtype == Q.Q5_0 else 2, 32)
     assert torch.equal(cpu_kernels.unpack_q4(weight.qs), unpack(blocks_of(qtype, raw))[0])
     assert torch.equal(weight.dequantized(), ref)
     each_row_alone_as_in_any_batch(weight, 768)
@@ -326,11 +330,14 @@ def test_both_vector_widths_give_the_same_bits():
     for qtype in (Q.Q5_0, Q.Q5_K, Q.Q6_K):
         raw = random_blocks(qtype, 64, 512, seed=12)
         weight = decode_weight_for(reference(qtype, raw), [blocks_of(qtype, raw)], "int4a16")
-        kernels = (
-            ["q6a16_linear"] if isinstance(weight, Q6Weight) else ["q4_linear", "q4a16_linear"]
-        )
-        for name in kernels:
+        calls = [("q6a16_linear", weight.decode_tensors)]
+        if not isinstance(weight, Q6Weight):  # the K-quants' scales as stored, and float32
+            q, d, m = unpack(blocks_of(qtype, raw))
+            float32 = (weight.qs, cpu_kernels.pack_scales(d, m))
+            calls = [("q4_linear", float32), ("q4a16_linear", float32)]
+            calls += [("q4a16_linear", weight.decode_tensors)] if qtype == Q.Q5_K else []
+        for name, tensors in calls:
             for rows in (1, 2, 4, 8, 19):
-                args = (x[:rows], *weight.decode_tensors)
+                args = (x[:rows], *tensors)
                 wide, narrow_y = getattr(weight.kernel, name)(*args), getattr(narrow, name)(*args)
                 assert torch.equal(narrow_y, wide), (qtype, name, rows)

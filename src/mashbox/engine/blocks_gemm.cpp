@@ -13,6 +13,8 @@
 // - Q8_0 (q8_gemm): w = q * d (q int8, d fp16): out += d * sum. 1.06 bytes a weight. Q6_K
 //   (and a matrix mixing it with Q8_0, Q5_0 or Q4_0 parts) as int8 q - 32 in groups of 16
 //   with float32 d * sc (exact): 1.25 bytes.
+// With activations rounded to integers (rounded_gemm.cpp) the K-quants' scales are also read
+// as stored (Q4_K: 0.58 bytes a weight) and Q6_K's six bits (q6a16: 0.82).
 // All give the file's weights exactly (x = identity reads them back bit for bit). Like
 // int8_gemm.cpp every output has one order of operations whatever M is, so a row's bits do
 // not depend on the batch. (The Q4 and Q5 blocks times activations rounded to integers,
@@ -210,34 +212,47 @@ template <typename S>
 using Q4Gemm = void (*)(const float*, const uint8_t*, const S*, float*, int64_t, int64_t, int64_t,
                         int);
 
-// The kernels for one kind of activations: Q4 and Q5 weights, fp16 or float32 scales.
+// The kernels for one kind of activations: Q4 and Q5 weights, fp16 or float32 scales, or the
+// K-quants' as stored (rounded activations only: null for float32 ones).
 struct Q4Kernels {
   Q4Gemm<uint16_t> q4_half;
   Q4Gemm<float> q4_single;
   Q4Gemm<uint16_t> q5_half;
   Q4Gemm<float> q5_single;
+  Q4Gemm<uint8_t> q4_k = nullptr;
+  Q4Gemm<uint8_t> q5_k = nullptr;
 };
 
 // y = x . W^T by one of the Q4 or Q5 kernels, after checking qs and dm are what it reads:
 // pack_q4's qs [N / 32][K / 8][128] or pack_q5's [N / 32][K / 8][160]; dm pack_q4's, fp16 or
 // float32, [N / 32][K / 32][2][32] (d and m) or [..][1][32] (d alone: Q4_0's m = -8 d, Q5_0's
-// -16 d).
+// -16 d), or pack_k_scales' uint8 [N / 32][K / 256][K_SCALES].
 static torch::Tensor q4_call(const Q4Kernels& kernels, torch::Tensor x, torch::Tensor qs,
                              torch::Tensor dm) {
+  const bool k_scales = dm.dtype() == torch::kByte;
   TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kByte &&
-              (dm.dtype() == torch::kHalf || dm.dtype() == torch::kFloat));
+              (dm.dtype() == torch::kHalf || dm.dtype() == torch::kFloat || k_scales));
   TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && dm.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE;
   const bool q5 = qs.dim() == 3 && qs.size(2) == Q5_RECORD;
   TORCH_CHECK(K % BLOCK == 0 && qs.dim() == 3 && qs.size(1) * 8 == K &&
-                  (qs.size(2) == Q4_RECORD || q5) && dm.dim() == 4 &&
-                  dm.size(0) == qs.size(0) && dm.size(1) * BLOCK == K &&
-                  (dm.size(2) == 1 || dm.size(2) == 2) && dm.size(3) == TILE,
-              "qs/dm must be packed by pack_q4 or pack_q5 for K = ", K);
+                  (qs.size(2) == Q4_RECORD || q5),
+              "qs must be packed by pack_q4 or pack_q5 for K = ", K);
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* q = qs.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  if (k_scales) {
+    TORCH_CHECK(kernels.q4_k != nullptr, "the K-quants' scales as stored need rounded activations");
+    TORCH_CHECK(dm.dim() == 3 && dm.size(0) == qs.size(0) && dm.size(1) * K_SUPER == K &&
+                    dm.size(2) == K_SCALES,
+                "dm must be packed by pack_k_scales for K = ", K);
+    (q5 ? kernels.q5_k : kernels.q4_k)(xp, q, dm.data_ptr<uint8_t>(), yp, M, K, N, 0);
+    return y;
+  }
+  TORCH_CHECK(dm.dim() == 4 && dm.size(0) == qs.size(0) && dm.size(1) * BLOCK == K &&
+                  (dm.size(2) == 1 || dm.size(2) == 2) && dm.size(3) == TILE,
+              "dm must be packed by pack_q4 or pack_q5 for K = ", K);
   const int derived_m = dm.size(2) == 1 ? (q5 ? 16 : 8) : 0;
   if (dm.dtype() == torch::kFloat) {
     (q5 ? kernels.q5_single : kernels.q4_single)(xp, q, dm.data_ptr<float>(), yp, M, K, N,
@@ -254,11 +269,12 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
 }
 
 torch::Tensor q4a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
-  return q4_call({q4a16_gemm, q4a16_gemm, q5a16_gemm, q5a16_gemm}, x, qs, dm);
+  return q4_call({q4a16_gemm, q4a16_gemm, q5a16_gemm, q5a16_gemm, q4a16_gemm, q5a16_gemm}, x,
+                 qs, dm);
 }
 
 torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
-  return q4_call({q4a8_gemm, q4a8_gemm, q5a8_gemm, q5a8_gemm}, x, qs, dm);
+  return q4_call({q4a8_gemm, q4a8_gemm, q5a8_gemm, q5a8_gemm, q4a8_gemm, q5a8_gemm}, x, qs, dm);
 }
 
 // Q8 blocks: int8 qs [N / 32][K / 2][64] (pack_q8) and d [N / 32][K / 32][32] fp16 (Q8_0's) or

@@ -34,6 +34,9 @@ static inline void vstoreu(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
 static inline vint widen_i8(const int8_t* p) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+static inline vint widen_u8(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 static inline vfloat to_float(vint q) { return _mm512_cvtepi32_ps(q); }
 static inline vfloat from_half(const uint16_t* p) {  // LANES fp16 values
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -127,6 +130,9 @@ static inline void vstoreu(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
 static inline vint widen_i8(const int8_t* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
+static inline vint widen_u8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
 static inline vfloat to_float(vint q) { return _mm256_cvtepi32_ps(q); }
 static inline vfloat from_half(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -217,6 +223,11 @@ constexpr int Q4_RECORD = 4 * TILE_LANES, Q5_RECORD = Q4_RECORD + TILE_LANES,
 // [16][32], then an fp16 d [32]; w = d * sc * (q - 32).
 constexpr int Q6_SUPER = 256, Q6_GROUP = 16,
               Q6_SCALES = Q6_SUPER / Q6_GROUP * TILE_LANES + 2 * TILE_LANES;
+// The K-quants' scales as stored (pack_k_scales: Q4_K's and Q5_K's), per tile and 256
+// weights: a 6-bit sc [8][32], then mn [8][32] (uint8, one per 32 weights), then fp16 d [32]
+// and -dmin [32]; a group's d * sc and -dmin * mn, exact in float32 (an fp16 times six bits).
+constexpr int K_SUPER = 256, K_GROUPS = K_SUPER / 32,
+              K_SCALES = 2 * K_GROUPS * TILE_LANES + 2 * 2 * TILE_LANES;
 // How far ahead of its loads a kernel asks for weights: with the hardware prefetcher alone,
 // one row of q4a16 over SmolLM2's 120 layer matrices took ~1.2x as long on one EPYC core;
 // 2048 bytes ahead read them 1.1-1.2x as fast as 1024 on two (docs/performance.md).
@@ -414,6 +425,16 @@ void q5a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, in
 // Q8 blocks of 16 with float32 scales (Q6_K's: d * sc, exact): d [N / 32][K / 16][32].
 void q8_gemm(const float* x, const int8_t* qs, const float* d, float* y, int64_t M, int64_t K,
              int64_t N);
+// The same over the K-quants' scales as stored (pack_k_scales, derived_m unused): 20 bytes
+// an output and 256 weights where float32 d and m take 64.
+void q4a8_gemm(const float* x, const uint8_t* qs, const uint8_t* scales, float* y, int64_t M,
+               int64_t K, int64_t N, int derived_m);
+void q4a16_gemm(const float* x, const uint8_t* qs, const uint8_t* scales, float* y, int64_t M,
+                int64_t K, int64_t N, int derived_m);
+void q5a8_gemm(const float* x, const uint8_t* qs, const uint8_t* scales, float* y, int64_t M,
+               int64_t K, int64_t N, int derived_m);
+void q5a16_gemm(const float* x, const uint8_t* qs, const uint8_t* scales, float* y, int64_t M,
+                int64_t K, int64_t N, int derived_m);
 // Q6_K's blocks as stored (pack_q6: 6-bit q, an int8 sc per 16 and an fp16 d per 256, w =
 // d * sc * (q - 32)) with activations rounded to int16 per block of 32 (rounded_gemm.cpp):
 // the same bits as q8a16_gemm over the same weights in groups of 16 (pack_q8), 0.82 bytes a

@@ -285,6 +285,16 @@ def _check_cases(module, n: int, g: torch.Generator) -> list[tuple]:
     qs6, scales6 = pack_q6(q6k, sc6.to(torch.int8), d6)
     w6 = (q6k.double() - 32) * (d6.double() * sc6.double()).repeat_interleave(16, 1)
     x6 = rounded_x(32767, 64, 2.0**-15, k=256)
+    # The K-quants' scales as stored (K = 256): sc and mn small and q in 0..3, so that 8
+    # groups' scaled sums stay exact in float32
+    sck, mnk = ints(1, 4, (n, 8), torch.uint8), ints(0, 4, (n, 8), torch.uint8)
+    dk, dmink = (2.0 ** -ints(8, 10, (n, 1))).half(), (2.0 ** -ints(8, 10, (n, 1))).half()
+    q4k = ints(0, 4, (n, 256), torch.uint8)
+    qs4k, ks = nibbles(q4k), pack_k_scales(sck, mnk, dk, dmink)
+    per_group = dk.double().repeat_interleave(8, 1) * sck.double()
+    per_group_m = -dmink.double().repeat_interleave(8, 1) * mnk.double()
+    w4kk = q4k.double() * per_group.repeat_interleave(32, 1) + per_group_m.repeat_interleave(32, 1)
+    x8k = rounded_x(127, 127, 2.0**-7, k=256)
     return [
         ("int8_linear", lambda x: module.int8_linear(x, packed8, scale), w8, float_x),
         ("q4_linear", lambda x: module.q4_linear(x, qs4, dm4), w4, float_x),
@@ -310,6 +320,8 @@ def _check_cases(module, n: int, g: torch.Generator) -> list[tuple]:
         ("q8a16_linear", lambda x: module.q8a16_linear(x, qs8, ds8), w_q8, x16),
         ("q8a16_linear (groups of 16)", lambda x: module.q8a16_linear(x, qs16, ds16), w16, x16),
         ("q6a16_linear", lambda x: module.q6a16_linear(x, qs6, scales6), w6, x6),
+        ("q4a16_linear (K scales)", lambda x: module.q4a16_linear(x, qs4k, ks), w4kk, x6),
+        ("q4a8_linear (K scales)", lambda x: module.q4a8_linear(x, qs4k, ks), w4kk, x8k),
     ]
 
 
@@ -336,10 +348,51 @@ def pack_q4(
     32-bit lane holds 4 consecutive weights for an int8 dot product; and dm
     [N / 32, K / 32, 2, 32] in d's dtype, or [.., 1, 32] with m None (Q4_0: the kernels take
     m = -8 d; Q5_0 in pack_q5: -16 d)."""
-    n, k = q.shape
+    return nibbles(q), pack_scales(d, m)
+
+
+def pack_scales(d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """pack_q4's dm of d and m [N, K / 32] (or d alone)."""
+    n, blocks = d.shape
     scales = [d] if m is None else [d, m]
-    dm = torch.stack(scales, dim=-1).view(n // TILE, TILE, k // 32, len(scales))
-    return nibbles(q), dm.permute(0, 2, 3, 1).contiguous()
+    dm = torch.stack(scales, dim=-1).view(n // TILE, TILE, blocks, len(scales))
+    return dm.permute(0, 2, 3, 1).contiguous()
+
+
+def pack_k_scales(
+    sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
+) -> torch.Tensor:
+    """The K-quants' scales as stored (int4.k_scales: sc, mn uint8 [N, K / 32], fp16 d, dmin
+    [N, K / 256]; w = d * sc * q - dmin * mn) as the rounded kernels read them in place of
+    float32 d and m: uint8 [N / 32, K / 256, 640], per tile and 256 weights sc [8, 32], mn
+    [8, 32], then fp16 d [32] and -dmin [32]."""
+    n, groups = sc.shape
+    tiles, supers = n // TILE, groups // 8
+
+    def per_group(v: torch.Tensor) -> torch.Tensor:  # [N, K / 32] -> [tiles, supers, 8 * 32]
+        return v.view(tiles, TILE, supers, 8).permute(0, 2, 3, 1).reshape(tiles, supers, -1)
+
+    def per_super(v: torch.Tensor) -> torch.Tensor:  # fp16 [N, K / 256] -> bytes [.., 64]
+        return v.view(tiles, TILE, supers).transpose(1, 2).contiguous().view(torch.uint8)
+
+    parts = [per_group(sc), per_group(mn), per_super(d), per_super(-dmin)]
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def unpack_k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """pack_k_scales' bytes back to sc, mn, d and dmin."""
+    tiles, supers, _ = scales.shape
+
+    def per_group(v: torch.Tensor) -> torch.Tensor:
+        return v.reshape(tiles, supers, 8, TILE).permute(0, 3, 1, 2).reshape(tiles * TILE, -1)
+
+    def per_super(v: torch.Tensor) -> torch.Tensor:
+        return v.contiguous().view(torch.float16).transpose(1, 2).reshape(tiles * TILE, supers)
+
+    at = 8 * TILE
+    sc, mn = per_group(scales[..., :at]), per_group(scales[..., at : 2 * at])
+    d, dmin = per_super(scales[..., 2 * at : 2 * at + 64]), -per_super(scales[..., 2 * at + 64 :])
+    return sc, mn, d, dmin
 
 
 def nibbles(q: torch.Tensor) -> torch.Tensor:

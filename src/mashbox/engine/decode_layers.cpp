@@ -41,6 +41,10 @@ struct Mat {
       q6a16_gemm(x, a.data_ptr<uint8_t>(), b.data_ptr<uint8_t>(), y, rows, k(), n());
       return;
     }
+    if (b.scalar_type() == torch::kByte) {  // the K-quants' scales as stored
+      run_q4(x, b.data_ptr<uint8_t>(), y, rows);
+      return;
+    }
     if (b.scalar_type() == torch::kFloat) {
       if (q4())
         run_q4(x, b.data_ptr<float>(), y, rows);
@@ -61,13 +65,15 @@ struct Mat {
     else
       q8_gemm(x, a.data_ptr<int8_t>(), scales, y, rows, k(), n());
   }
-  template <typename S>  // fp16 (uint16_t) or float32 d and m
+  template <typename S>  // fp16 (uint16_t) or float32 d and m, or K-quants' (uint8_t)
   void run_q4(const float* x, const S* scales, float* y, int64_t rows) const {
     using Gemm = void (*)(const float*, const uint8_t*, const S*, float*, int64_t, int64_t,
                           int64_t, int);
-    Gemm four = q4_gemm, five = q5_gemm;
+    Gemm four = nullptr, five = nullptr;
+    if constexpr (!std::is_same_v<S, uint8_t>) four = q4_gemm, five = q5_gemm;
     if (q4_activation_bits == 8) four = q4a8_gemm, five = q5a8_gemm;
     if (q4_activation_bits == 16) four = q4a16_gemm, five = q5a16_gemm;
+    TORCH_CHECK(four != nullptr, "the K-quants' scales as stored need rounded activations");
     const int derived_m = b.size(2) == 1 ? (q5() ? 16 : 8) : 0;  // Q4_0 / Q5_0: d alone
     (q5() ? five : four)(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n(), derived_m);
   }

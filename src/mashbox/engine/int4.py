@@ -36,6 +36,7 @@ GROUP = 32  # the GGUF block: one kernel group
 Q5_QTYPES = (Q.Q5_0, Q.Q5_1, Q.Q5_K)  # five bits a weight: mashbox's kernels only
 EXACT_QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K, *Q5_QTYPES)
 K_QTYPES = (Q.Q4_K, Q.Q5_K)  # whose groups take float32 d and m: mashbox's kernels only
+K_GROUPS = 8  # groups of 32 in a K-quant block
 # The blocks an int4 engine loads as stored (Q8_0 and Q6_K: q8_weight.py).
 KEPT_QTYPES = (*EXACT_QTYPES, Q.Q8_0, Q.Q6_K)
 # Decode weights that read those blocks, and what their 4-bit matrices multiply: float32
@@ -77,32 +78,43 @@ def q4_k_scales(packed: Tensor) -> tuple[Tensor, Tensor]:
     return scales, mins
 
 
+def k_scales(b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Q4_K or Q5_K blocks uint8 [N, K / 256, ..]: their scales as stored, sc and mn uint8
+    [N, K / 32] (six bits each) and fp16 d and dmin [N, K / 256]."""
+    n = b.shape[0]
+    d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, -1)
+    dmin = b[..., 2:4].contiguous().view(torch.float16).reshape(n, -1)
+    sc, mn = q4_k_scales(b[..., 4:16])
+    return sc.reshape(n, -1), mn.reshape(n, -1), d, dmin
+
+
+def k_group_scales(sc: Tensor, mn: Tensor, d: Tensor, dmin: Tensor) -> tuple[Tensor, Tensor]:
+    """k_scales' as float32 d * sc and m = -dmin * mn [N, K / 32], both exact (an fp16 times
+    six bits): w = q * d + m (gguf's d * q - dm)."""
+    d, dmin = (t.float().repeat_interleave(K_GROUPS, 1) for t in (d, dmin))
+    return d * sc.float(), -(dmin * mn.float())
+
+
 def unpack_q4_k(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Q4_K blocks uint8 [N, K / 256, 144] as groups of 32: nibbles uint8 [N, K] and float32
-    d = d * sc, m = -dmin * mn [N, K / 32], both exact: w = q * d + m (gguf's d * q - dm)."""
+    d, m [N, K / 32] (k_group_scales)."""
     n = b.shape[0]
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, K / 256, 1]
-    dmin = b[..., 2:4].contiguous().view(torch.float16).float()
-    sc, mn = q4_k_scales(b[..., 4:16])
     # 32 bytes per pair of sub-blocks: sub-block 2i in their low nibbles, 2i + 1 in the high.
     qs = b[..., 16:].reshape(n, -1, 4, 1, 32)
     q = torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(n, -1)
-    return q, (d * sc.float()).reshape(n, -1), (-(dmin * mn.float())).reshape(n, -1)
+    return q, *k_group_scales(*k_scales(b))
 
 
 def unpack_q5_k(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Q5_K blocks uint8 [N, K / 256, 176] as groups of 32, as unpack_q4_k: q uint8 [N, K] in
     0..31 (sub-block j's fifth bits are bit j of the 32 qh bytes), float32 d and m."""
     n = b.shape[0]
-    d = b[..., 0:2].contiguous().view(torch.float16).float()
-    dmin = b[..., 2:4].contiguous().view(torch.float16).float()
-    sc, mn = q4_k_scales(b[..., 4:16])
     qh = b[..., 16:48]  # [N, K / 256, 32]
     high = ((qh[..., None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1) << 4
     qs = b[..., 48:].reshape(n, -1, 4, 1, 32)
     low = torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(n, -1, 8, 32)
     q = (low | high).reshape(n, -1)
-    return q, (d * sc.float()).reshape(n, -1), (-(dmin * mn.float())).reshape(n, -1)
+    return q, *k_group_scales(*k_scales(b))
 
 
 def unpack(blocks: RawBlocks) -> tuple[Tensor, Tensor, Tensor]:
@@ -167,6 +179,11 @@ class Int4Weight:
             derived = all(b.qtype == (Q.Q5_0 if five else Q.Q4_0) for b in blocks)
             pack = cpu_kernels.pack_q5 if five else cpu_kernels.pack_q4
             self.qs, self.dm = pack(q, d, None if derived else m)
+            if self.activations != "float" and all(b.qtype in K_QTYPES for b in blocks):
+                # The K-quants' scales as stored: 20 bytes an output and 256 weights where
+                # float32 d and m take 64 (the float32 kernels read only those).
+                raw = zip(*(k_scales(b.data) for b in blocks), strict=True)
+                self.dm = cpu_kernels.pack_k_scales(*(torch.cat(p) for p in raw))
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             # [K / 32, N, 2]: the kernel's layout; w = (q - 8) * d + (m + 8 d).
@@ -210,8 +227,12 @@ class Int4Weight:
         """The weights the kernel multiplies by, [N, K] (x = identity): float32 from ours,
         self.dtype from torch's."""
         k = self.w.shape[1]
-        if self.kernel is not None:  # every kind packs alike: read by float32 x = identity
-            return self.kernel.q4_linear(torch.eye(k), self.qs, self.dm).T
+        if self.kernel is not None:  # read by float32 x = identity, the scales as float32
+            dm = self.dm
+            if dm.dtype == torch.uint8:  # the K-quants' as stored, back to their d and m
+                sc, mn, d, dmin = cpu_kernels.unpack_k_scales(dm)
+                dm = cpu_kernels.pack_scales(*k_group_scales(sc, mn, d, dmin))
+            return self.kernel.q4_linear(torch.eye(k), self.qs, dm).T
         eye = torch.eye(k, dtype=self.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, self.packed, GROUP, self.scales_and_zeros

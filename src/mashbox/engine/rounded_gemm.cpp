@@ -1,6 +1,7 @@
 #include "cpu_kernels.h"
 
 #include <cmath>
+#include <type_traits>
 
 // y[M, N] = x[M, K] . W^T with W a GGUF file's own Q4 or Q5 blocks (packed as for q4_gemm and
 // q5_gemm, blocks_gemm.cpp: Q4_0 / Q4_1 / Q5_0 / Q5_1 with fp16 d and m, Q4_K's and Q5_K's
@@ -85,25 +86,27 @@ static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
   return r;
 }
 
-// How a record's weights are scaled: Q4 and Q5 blocks per 32 (d and m, their scales a
-// tile's [K / 32][1 or 2][32], of type S), Q6's per 16 (Q6_SCALES bytes a tile and 256).
+// How a record's weights are scaled: Q4 and Q5 blocks per 32, d and m, their scales a tile's
+// [K / 32][1 or 2][32] of S (fp16 or float32), or the K-quants' as stored (S = uint8_t:
+// K_SCALES bytes a tile and 256); Q6's per 16 (Q6_SCALES bytes a tile and 256).
 template <int RECORD>
 constexpr int64_t GROUP = RECORD == Q6_RECORD ? Q6_GROUP : BLOCK;
-template <int RECORD>
+template <int RECORD, typename S>
 static int64_t tile_scales(int64_t K, int derived_m) {
-  return RECORD == Q6_RECORD ? K / Q6_SUPER * Q6_SCALES
-                             : K / BLOCK * scales_per_block(derived_m) * TILE;
+  if constexpr (RECORD == Q6_RECORD) return K / Q6_SUPER * Q6_SCALES;
+  if constexpr (std::is_same_v<S, uint8_t>) return K / K_SUPER * K_SCALES;
+  return K / BLOCK * scales_per_block(derived_m) * TILE;
 }
 
-// A block's integer sums into out: out += d * (sum * dx) + m * xs, the same order for both.
-template <int V, int MB, typename S>
-static inline void add_block_sums(const vint (&sum)[MB][V], const Rounded& x, const S* dm,
-                                  int derived_m, float (&out)[MB][V * LANES], int64_t b,
-                                  int64_t m0, int64_t blocks, int64_t tile_dm) {
+// A block's integer sums into out: out += d * (sum * dx) + m * xs, the same order for both;
+// scales(v, d, m) gives vector v's d and m.
+template <int V, int MB, typename Scales>
+static inline void add_block_sums(const vint (&sum)[MB][V], const Rounded& x,
+                                  const Scales& scales, float (&out)[MB][V * LANES], int64_t b,
+                                  int64_t m0, int64_t blocks) {
   UNROLL for (int v = 0; v < V; ++v) {
     vfloat d, m;
-    block_scales(dm + vec_offset(v, tile_dm) + b * scales_per_block(derived_m) * TILE, derived_m,
-                 d, m);
+    scales(v, d, m);
     UNROLL for (int j = 0; j < MB; ++j) {
       const int64_t at = (m0 + j) * blocks + b;
       const vfloat qx = vmul(to_float(sum[j][v]), vbroadcast(x.dx.data() + at));
@@ -137,16 +140,33 @@ static inline void add_q6_sums(const vint (&sum)[MB][V], const Rounded& x,
   }
 }
 
-// A scale group's sums into out, by the record's kind; scales: the tile's.
+// A scale group's sums into out, by the record's kind and the scales' type; scales: the
+// tile's.
 template <int V, int MB, int RECORD, typename S>
 static inline void add_group_sums(const vint (&sum)[MB][V], const Rounded& x, const S* scales,
                                   int v0, int derived_m, float (&out)[MB][V * LANES], int64_t b,
                                   int64_t m0, int64_t K) {
-  const int64_t tile = tile_scales<RECORD>(K, derived_m);
-  if constexpr (RECORD == Q6_RECORD)
+  const int64_t tile = tile_scales<RECORD, S>(K, derived_m);
+  if constexpr (RECORD == Q6_RECORD) {
     add_q6_sums<V, MB>(sum, x, scales, v0, out, b, m0, K, tile);
-  else
-    add_block_sums<V, MB>(sum, x, scales + v0 * LANES, derived_m, out, b, m0, K / BLOCK, tile);
+  } else if constexpr (std::is_same_v<S, uint8_t>) {
+    // The K-quants' group b: its super-block's d and -dmin times its sc and mn.
+    const int64_t at = b / K_GROUPS * K_SCALES, group = b % K_GROUPS * TILE;
+    auto k_scales = [&](int v, vfloat& d, vfloat& m) {
+      const uint8_t* s = scales + (v0 + v) / VPT * tile + at;
+      const int lane = (v0 + v) % VPT * LANES;
+      const auto* half = reinterpret_cast<const uint16_t*>(s + 2 * K_GROUPS * TILE) + lane;
+      d = vmul(from_half(half), to_float(widen_u8(s + group + lane)));
+      m = vmul(from_half(half + TILE), to_float(widen_u8(s + K_GROUPS * TILE + group + lane)));
+    };
+    add_block_sums<V, MB>(sum, x, k_scales, out, b, m0, K / BLOCK);
+  } else {
+    const S* dm = scales + v0 * LANES + b * scales_per_block(derived_m) * TILE;
+    auto block = [&](int v, vfloat& d, vfloat& m) {
+      block_scales(dm + vec_offset(v, tile), derived_m, d, m);
+    };
+    add_block_sums<V, MB>(sum, x, block, out, b, m0, K / BLOCK);
+  }
 }
 
 // V vectors of LANES outputs for MB rows (vectors v0.. of the tile at qs, as q4_block in
@@ -251,7 +271,7 @@ template <bool INT16, int RECORD, typename S>
 static void rounded_gemm(const float* x, const uint8_t* qs, const S* scales, float* y, int64_t M,
                          int64_t K, int64_t N, int derived_m) {
   const int64_t tiles = N / TILE, tile_qs = K / 8 * RECORD,
-                tile_s = tile_scales<RECORD>(K, derived_m);
+                tile_s = tile_scales<RECORD, S>(K, derived_m);
   // One row: int16 as bytes (rounded_block); several: whole (words_block), but for Q6, whose
   // groups of 16 would pay words_block's pair sums twice as often.
   constexpr bool WORDS = INT16 && RECORD != Q6_RECORD;
@@ -330,6 +350,26 @@ void q5a16_gemm(const float* x, const uint8_t* qs, const uint16_t* dm, float* y,
 void q5a16_gemm(const float* x, const uint8_t* qs, const float* dm, float* y, int64_t M,
                 int64_t K, int64_t N, int derived_m) {
   rounded_gemm<true, Q5_RECORD>(x, qs, dm, y, M, K, N, derived_m);
+}
+
+void q4a8_gemm(const float* x, const uint8_t* qs, const uint8_t* scales, float* y, int64_t M,
+               int64_t K, int64_t N, int derived_m) {
+  rounded_gemm<false, Q4_RECORD>(x, qs, scales, y, M, K, N, derived_m);
+}
+
+void q4a16_gemm(const float* x, const uint8_t* qs, const uint8_t* scales, float* y, int64_t M,
+                int64_t K, int64_t N, int derived_m) {
+  rounded_gemm<true, Q4_RECORD>(x, qs, scales, y, M, K, N, derived_m);
+}
+
+void q5a8_gemm(const float* x, const uint8_t* qs, const uint8_t* scales, float* y, int64_t M,
+               int64_t K, int64_t N, int derived_m) {
+  rounded_gemm<false, Q5_RECORD>(x, qs, scales, y, M, K, N, derived_m);
+}
+
+void q5a16_gemm(const float* x, const uint8_t* qs, const uint8_t* scales, float* y, int64_t M,
+                int64_t K, int64_t N, int derived_m) {
+  rounded_gemm<true, Q5_RECORD>(x, qs, scales, y, M, K, N, derived_m);
 }
 
 void q6a16_gemm(const float* x, const uint8_t* qs, const uint8_t* scales, float* y, int64_t M,
