@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
-from test_q5_q6 import blocks_of, random_blocks, reference  # noqa: E402
 
 from mashbox.engine.q6_weight import Q6Weight  # noqa: E402
+from test_q5_q6 import blocks_of, random_blocks, reference  # noqa: E402
 
 
 def main() -> None:
@@ -53,12 +53,14 @@ def main() -> None:
                         call(w, x)
                 times[name].append((time.perf_counter() - t0) / 3)
         for name, ts in times.items():
-            best = min(ts)
+            best, mb = min(ts), nbytes[name] / 1e6
             print(
                 f"rows {rows:3d} {name}: median {statistics.median(ts) * 1e3:6.2f} ms, best "
-                f"{best * 1e3:6.2f} ms, {nbytes[name] / 1e6:.1f} MB at {nbytes[name] / best / 1e9:.1f} GB/s"
+                f"{best * 1e3:6.2f} ms, {mb:.1f} MB at {mb / best / 1e3:.1f} GB/s"
             )
-        ratio = statistics.median(a / b for a, b in zip(times["q6a16"], times["q8a16"]))
+        ratio = statistics.median(
+            a / b for a, b in zip(times["q6a16"], times["q8a16"], strict=True)
+        )
         print(f"rows {rows:3d} q6a16 / q8a16: {ratio:.3f}")
 
 

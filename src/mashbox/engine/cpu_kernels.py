@@ -10,8 +10,9 @@
   K-quants' too, as groups of 32 with float32 d and m (int4.py) or of 16 (Q6_K).
 - `rounded_gemm.cpp`: `q4a16` / `q4a8` (and `q5a16` / `q5a8`), the same Q4 and Q5 blocks with
   activations rounded per block of 32 to int16 / int8 (llama.cpp's rounding), for exact
-  integer dot products (int8 ones, VNNI where there is: int16 activations as two bytes);
-  `q6a16`, Q6_K's blocks as stored (`pack_q6`: 6-bit q, int8 sc per 16, fp16 d per 256).
+  integer dot products (int8 ones, VNNI where there is: int16 activations as two bytes).
+  These also read the K-quants' scales as stored (`pack_k_scales`), and `q6a16` Q6_K's
+  blocks as stored (`pack_q6`: 6-bit q, int8 sc per 16, fp16 d per 256).
 - `decode_layers.cpp`: `DecodeStack`, a whole decode step (every layer) in one call, with
   no torch op dispatch per norm, RoPE or residual.
 

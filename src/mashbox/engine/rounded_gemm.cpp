@@ -233,21 +233,20 @@ static inline void rounded_block(const Rounded& x, const uint8_t* qs, int v0, co
 
 // Several rows with int16 activations, whole (quantize_rows' WHOLE): vector v0's weight
 // bytes widened to words once for all MB rows, two lanes an output (half_words), times
-// xq[k..k+3] (dot2), the pairs of lanes summed at the group's end. The same exact sums as
+// xq[k..k+3] (dot2), the pairs of lanes summed at the block's end. The same exact sums as
 // rounded_block's, with half the broadcasts and one sum a row and half-vector.
 template <int MB, int RECORD, typename S>
 static inline void words_block(const Rounded& x, const uint8_t* qs, int v0, const S* scales,
                                int derived_m, float* y, int64_t n0, int64_t m0, int64_t K,
                                int64_t N) {
-  static_assert(RECORD != Q6_RECORD, "Q6 blocks start their sums at an offset: rounded_block");
-  constexpr int64_t G = GROUP<RECORD>;
+  static_assert(RECORD != Q6_RECORD, "Q6's groups of 16 take rounded_block");
   const int64_t tile_qs = K / 8 * RECORD;
   alignas(64) float out[MB][LANES] = {};
-  for (int64_t b = 0; b < K / G; ++b) {
+  for (int64_t b = 0; b < K / BLOCK; ++b) {
     vint first[MB], second[MB];  // the vector's first and second half of outputs
     UNROLL for (int j = 0; j < MB; ++j) first[j] = second[j] = vzero_int();
-    UNROLL for (int group = 0; group < G / 8; ++group) {
-      const int64_t g = b * G / 8 + group;
+    UNROLL for (int group = 0; group < BLOCK / 8; ++group) {
+      const int64_t g = b * BLOCK / 8 + group;
       vint low, high;
       weight_bytes<RECORD>(qs, v0, g, tile_qs, low, high);
       const vint w0 = half_words<0>(low), w1 = half_words<1>(low);
