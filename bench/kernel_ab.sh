@@ -21,7 +21,7 @@ flags=(-isystem "$torch/include" -isystem "$torch/include/torch/csrc/api/include
   -isystem "$py_include" -fPIC -std=c++20 -O3 -march=native -fopenmp)
 rename=(-DChunkPool=ChunkPoolB -Dq4a16_gemm=q4a16_gemm_B -Dq4a8_gemm=q4a8_gemm_B
   -Dq5a8_gemm=q5a8_gemm_B -Dq5a16_gemm=q5a16_gemm_B -Dq8a16_gemm=q8a16_gemm_B
-  -Dq6a16_gemm=q6a16_gemm_B)
+  -Dq6a16_gemm=q6a16_gemm_B -DRounded=RoundedB)
 a=src/mashbox/engine b=$work/b/src/mashbox/engine
 g++ "${flags[@]}" -I"$a" -c "$a/rounded_gemm.cpp" -o "$work/a.o" & pids=($!)
 g++ "${flags[@]}" "${rename[@]}" -I"$b" -c "$b/rounded_gemm.cpp" -o "$work/b.o" & pids+=($!)

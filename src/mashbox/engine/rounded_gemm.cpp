@@ -24,16 +24,17 @@ struct Rounded {
   std::vector<uint8_t> low;     // int16 xq's low bytes (empty for int8)
   std::vector<int16_t> whole;   // or int16 xq whole (WHOLE), and no bytes
   std::vector<float> dx, xs;    // [rows, K / 32]
-  std::vector<int32_t> sums16;  // int16 xq's sums per 16 [rows, K / 16] (Q6's 32 * sum)
+  std::vector<int32_t> sums16;  // xq's sums per 16 [rows, K / 16], for Q6 blocks alone
 };
 
-// x[rows, K] rounded to -LIMIT..LIMIT per block (to nearest even): 127 or 32767.
-template <int LIMIT, bool WHOLE = false>
+// x[rows, K] rounded to -LIMIT..LIMIT per block (to nearest even): 127 or 32767; SUMS16: also
+// the sums per 16 (Q6's).
+template <int LIMIT, bool WHOLE = false, bool SUMS16 = false>
 static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
   const int64_t blocks = rows * (K / BLOCK), bytes = WHOLE ? 0 : rows * K;
   Rounded r{std::vector<int8_t>(bytes), std::vector<uint8_t>(LIMIT > 127 ? bytes : 0),
             std::vector<int16_t>(WHOLE ? rows * K : 0), std::vector<float>(blocks),
-            std::vector<float>(blocks), std::vector<int32_t>(LIMIT > 127 ? 2 * blocks : 0)};
+            std::vector<float>(blocks), std::vector<int32_t>(SUMS16 ? 2 * blocks : 0)};
   for (int64_t i = 0; i < blocks; ++i) {
     const float* p = x + i * BLOCK;
 #if defined(__AVX512F__)
@@ -44,7 +45,9 @@ static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
     const float d = amax / static_cast<float>(LIMIT), inv = d != 0.0f ? 1.0f / d : 0.0f;
     const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
     const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
-    const int32_t halves[2] = {_mm512_reduce_add_epi32(qa), _mm512_reduce_add_epi32(qb)};
+    int32_t halves[2] = {_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)), 0};
+    if constexpr (SUMS16)
+      halves[0] = _mm512_reduce_add_epi32(qa), halves[1] = _mm512_reduce_add_epi32(qb);
     if constexpr (WHOLE) {
       auto* whole = reinterpret_cast<__m256i*>(r.whole.data() + i * BLOCK);
       _mm256_storeu_si256(whole, _mm512_cvtepi32_epi16(qa));
@@ -79,7 +82,7 @@ static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
       halves[k / 16] += q;
     }
 #endif
-    if constexpr (LIMIT > 127) r.sums16[2 * i] = halves[0], r.sums16[2 * i + 1] = halves[1];
+    if constexpr (SUMS16) r.sums16[2 * i] = halves[0], r.sums16[2 * i + 1] = halves[1];
     r.dx[i] = d;
     r.xs[i] = d * static_cast<float>(halves[0] + halves[1]);
   }
@@ -141,12 +144,11 @@ static inline void add_q6_sums(const vint (&sum)[MB][V], const Rounded& x,
 }
 
 // A scale group's sums into out, by the record's kind and the scales' type; scales: the
-// tile's.
+// tile's, tile: their bytes (tile_scales).
 template <int V, int MB, int RECORD, typename S>
 static inline void add_group_sums(const vint (&sum)[MB][V], const Rounded& x, const S* scales,
-                                  int v0, int derived_m, float (&out)[MB][V * LANES], int64_t b,
-                                  int64_t m0, int64_t K) {
-  const int64_t tile = tile_scales<RECORD, S>(K, derived_m);
+                                  int64_t tile, int v0, int derived_m,
+                                  float (&out)[MB][V * LANES], int64_t b, int64_t m0, int64_t K) {
   if constexpr (RECORD == Q6_RECORD) {
     add_q6_sums<V, MB>(sum, x, scales, v0, out, b, m0, K, tile);
   } else if constexpr (std::is_same_v<S, uint8_t>) {
@@ -180,7 +182,7 @@ static inline void rounded_block(const Rounded& x, const uint8_t* qs, int v0, co
                                  int derived_m, float* y, int64_t n0, int64_t m0, int64_t K,
                                  int64_t N) {
   constexpr int64_t G = GROUP<RECORD>;
-  const int64_t tile_qs = K / 8 * RECORD;
+  const int64_t tile_qs = K / 8 * RECORD, tile_s = tile_scales<RECORD, S>(K, derived_m);
   alignas(64) float out[MB][V * LANES] = {};
   for (int64_t b = 0; b < K / G; ++b) {
     vint sum[MB][V], low_sum[MB][V], second[V], low_second[V];
@@ -226,7 +228,7 @@ static inline void rounded_block(const Rounded& x, const uint8_t* qs, int v0, co
     if constexpr (INT16)
       UNROLL for (int j = 0; j < MB; ++j)
         UNROLL for (int v = 0; v < V; ++v) sum[j][v] = shift_add(sum[j][v], 8, low_sum[j][v]);
-    add_group_sums<V, MB, RECORD>(sum, x, scales, v0, derived_m, out, b, m0, K);
+    add_group_sums<V, MB, RECORD>(sum, x, scales, tile_s, v0, derived_m, out, b, m0, K);
   }
   store_rows<V, MB>(out, y, n0, m0, N);
 }
@@ -240,7 +242,7 @@ static inline void words_block(const Rounded& x, const uint8_t* qs, int v0, cons
                                int derived_m, float* y, int64_t n0, int64_t m0, int64_t K,
                                int64_t N) {
   static_assert(RECORD != Q6_RECORD, "Q6's groups of 16 take rounded_block");
-  const int64_t tile_qs = K / 8 * RECORD;
+  const int64_t tile_qs = K / 8 * RECORD, tile_s = tile_scales<RECORD, S>(K, derived_m);
   alignas(64) float out[MB][LANES] = {};
   for (int64_t b = 0; b < K / BLOCK; ++b) {
     vint first[MB], second[MB];  // the vector's first and second half of outputs
@@ -260,7 +262,7 @@ static inline void words_block(const Rounded& x, const uint8_t* qs, int v0, cons
     }
     vint sum[MB][1];
     UNROLL for (int j = 0; j < MB; ++j) sum[j][0] = pair_sums(first[j], second[j]);
-    add_group_sums<1, MB, RECORD>(sum, x, scales, v0, derived_m, out, b, m0, K);
+    add_group_sums<1, MB, RECORD>(sum, x, scales, tile_s, v0, derived_m, out, b, m0, K);
   }
   store_rows<1, MB>(out, y, n0, m0, N);
 }
@@ -274,8 +276,9 @@ static void rounded_gemm(const float* x, const uint8_t* qs, const S* scales, flo
   // One row: int16 as bytes (rounded_block); several: whole (words_block), but for Q6, whose
   // groups of 16 would pay words_block's pair sums twice as often.
   constexpr bool WORDS = INT16 && RECORD != Q6_RECORD;
+  constexpr bool Q6 = RECORD == Q6_RECORD;
   const Rounded r = WORDS && M > 1 ? quantize_rows<32767, true>(x, M, K)
-                                   : quantize_rows<INT16 ? 32767 : 127>(x, M, K);
+                                   : quantize_rows<INT16 ? 32767 : 127, false, Q6>(x, M, K);
   auto tile = [&](auto v_count, auto rows, int64_t t, int v0, int64_t m) {
     constexpr int V = decltype(v_count)::value, MB = decltype(rows)::value;
     rounded_block<V, MB, RECORD, INT16>(r, qs + t * tile_qs, v0, scales + t * tile_s, derived_m,
