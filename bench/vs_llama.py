@@ -36,6 +36,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -279,10 +280,13 @@ def measure_mashbox(args) -> dict:
 
     slots = str(max(args.streams))
     flags = ["--slots", slots, "--ctx", str(args.ctx), "--threads", str(args.threads)]
-    proc = ServerProcess(args.model, *flags, *args.server_args.split())
+    proc = ServerProcess(args.model, *flags, *args.server_args.split(), log=args.server_log)
     try:
         url = proc.wait_ready(900)
-        print(f"mashbox at {url} ({' '.join(flags)} {args.server_args})", flush=True)
+        print(
+            f"mashbox at {url} ({' '.join(flags)} {args.server_args}; log {args.server_log})",
+            flush=True,
+        )
         card = httpx.get(url + "/v1/models").json()["data"][0]
         # decode_gb is the engine's decode_bytes (the weights one step reads), in GB.
         return {**measure(url, args, {}), "decode_bytes": round(card["decode_gb"] * 1e9)}
@@ -376,6 +380,12 @@ def main() -> None:
     )
     parser.add_argument("--install-only", action="store_true")
     parser.add_argument("--llama-server", type=Path, help="a llama-server binary: the baseline")
+    parser.add_argument(
+        "--server-log",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "mashbox-vs-llama.log",
+        help="where mashbox's log goes (kept after the run)",
+    )
     args = parser.parse_args()
     if args.long_decode:
         # long_prompt's token count is a guess (30 a sentence): up to ~3% more, then a template

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from mashbox.engine.engine import Engine
+from mashbox.kv_moves import KVMoves
 from mashbox.prompt_cache import MIN_TOKENS, PromptCache
 from mashbox.protocol import Admit, Decode, Prefill, Restore, SamplingParams, Save, Step
+from mashbox.sequence import Slot
 from support.serverproc import serving
 
 TOKENS = list(range(10, 10 + 2 * MIN_TOKENS))
@@ -92,6 +94,41 @@ def test_a_restored_prefix_decodes_like_a_fresh_prefill(tiny_llama):
     k, v = engine.host_cache[7]
     assert k.shape == v.shape == (2, 2, len(prompt), 16)  # layers, kv heads, positions, dim
     assert torch.equal(k[:, :, :-1], engine.cache.k[:, 1, :, : len(prompt) - 1])
+
+
+def test_one_round_can_restore_an_entry_and_drop_it():
+    """Placed in one round (8 streams of one prompt after a finished one): the first request
+    restores entry 1 (the prompt), the next lands on the slot that holds the prompt and its
+    answer, which is saved first, and entry 1, a prefix of it, goes: one step carries both."""
+    prompt = TOKENS[:MIN_TOKENS]
+    cache = PromptCache(cap_bytes=10**6, bytes_per_token=10)
+    first, _ = cache.add(prompt, "")
+    slots = [Slot(0, tokens=prompt + [7] * 20), Slot(1)]
+    moves = KVMoves(slots, cache)
+    assert moves.bring_prefix(slots[1], "", prompt, 0, len(prompt) - 1) == len(prompt) - 1
+    assert moves.bring_prefix(slots[0], "", prompt, len(prompt) - 1, len(prompt) - 1) > 0
+    step = moves.take()
+    assert [r.entry for r in step["restores"]] == [first.id] and step["drops"] == (first.id,)
+
+
+def test_an_entry_restored_and_dropped_in_one_step_is_restored_first(tiny_llama):
+    """The engine runs such a step's restores before its drops (it once dropped first: the
+    worker died on a KeyError and the streams starting then got 503s)."""
+    engine = Engine(tiny_llama, slots=2, ctx=256)
+    prompt, greedy = tuple(range(5, 105)), SamplingParams()
+    engine.step(Step(admits=(Admit(0, greedy, prompt),), prefills=(Prefill(0, 0, prompt, True),)))
+    engine.step(Step(saves=(Save(0, 7, 60),)))
+    engine.step(
+        Step(
+            saves=(Save(0, 8, len(prompt)),),
+            restores=(Restore(1, 7, 60),),
+            drops=(7,),
+            admits=(Admit(1, greedy, prompt),),
+            prefills=(Prefill(1, 60, prompt[60:], True),),
+        )
+    )
+    assert set(engine.host_cache) == {8}
+    assert torch.equal(engine.cache.k[:, 1, :, :100], engine.cache.k[:, 0, :, :100])
 
 
 @pytest.fixture(scope="module")

@@ -166,7 +166,7 @@ class Step:
     saves: tuple[Save, ...] = ()  # run first: a slot is saved before it is overwritten
     restores: tuple[Restore, ...] = ()
     shares: tuple[Share, ...] = ()  # after the saves, before the restores
-    drops: tuple[int, ...] = ()  # prompt-cache entries to forget
+    drops: tuple[int, ...] = ()  # prompt-cache entries to forget (after the restores)
     decides: tuple[Decide, ...] = ()  # run after the prefills that fill their prefixes
     # New work for requests that arrived while step `joins` (decodes only, sent ahead) waited
     # in the pipe: if that step has not started when this one is there, they run as one.

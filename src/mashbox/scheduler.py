@@ -229,7 +229,9 @@ class Scheduler:
                 if self._step_scope.cancelled_caught:
                     break
             except WorkerError as exc:
-                log.error("engine fault: %s", str(exc).strip().splitlines()[-1])
+                lines = str(exc).strip().splitlines()
+                # The worker's traceback after the summary: a fault is rare and costs a retry.
+                log.error("engine fault: %s", lines[-1] + "".join(f"\n  | {t}" for t in lines))
                 batch.on_fault(hung=isinstance(exc, StepTimeout), unseen=self._unseen)
                 await self.worker.restart()
                 continue

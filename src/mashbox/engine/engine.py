@@ -246,11 +246,13 @@ class Engine:
         t0 = time.perf_counter()
         for save in step.saves:
             self.host_cache[save.entry] = self.cache.copy_out(save.slot, save.n)
-        for entry in step.drops:
-            self.host_cache.pop(entry, None)
         for share in step.shares:
             self.cache.copy_prefix(share.source, share.slot, share.n)
         disk_failed = tuple(r.file for r in step.restores if not self._restore(r))
+        # After the restores: one round of placements may restore an entry for one request
+        # and, saving a longer prefix of it for the next, drop it (PromptCache.add).
+        for entry in step.drops:
+            self.host_cache.pop(entry, None)
         for name in step.disk_drops:  # before the writes: the directory stays under its cap
             self.disk.remove(name)
         for persist in step.persists:  # copied now, written in the background
