@@ -59,7 +59,7 @@ class Q6Weight:
     max_rows = Q4_MAX_ROWS["int16"]
     # Up to how many rows the six bits are read: at 8 rows of qwen2.5's ffn_down the 6-bit
     # kernel took 1.3x the int8 one's time (unpacking, compute-bound), at 4 rows 0.84x, at
-    # 1 row 0.71x (bench/q6_rows.py). A decode step's rows (DecodeStack) always take them.
+    # 1 row 0.71x (bench/kquant_rows.py). A decode step's rows (DecodeStack) always take them.
     DECODE_ROWS = 4
 
     def __init__(self, w: Tensor, blocks: list[RawBlocks]):
