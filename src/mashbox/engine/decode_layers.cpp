@@ -20,9 +20,9 @@ using decode_math::silu_mul;
 // A decode matrix, told apart by its tensors' dtypes and shapes: int8 per output channel
 // (int8 packed weights, float32 scales [N]: int8_gemm.cpp), a GGUF's own Q4 or Q5 blocks
 // (uint8 qs [.., 128] for Q4, [.., 160] for Q5; fp16 d and m, d alone for Q4_0 and Q5_0, or
-// float32 for the K-quants' groups of 32, or their scales as stored: uint8), Q6 blocks (uint8 qs [.., 192] and scales: Q6_K's,
-// always with int16 activations) or Q8 blocks (int8 qs; fp16 d per 32, or float32 per 16):
-// blocks_gemm.cpp and rounded_gemm.cpp.
+// float32 for the K-quants' groups of 32, or their scales as stored: uint8), Q6 blocks
+// (uint8 qs [.., 192] and scales: Q6_K's, always with int16 activations) or Q8 blocks (int8
+// qs; fp16 d per 32, or float32 per 16): blocks_gemm.cpp and rounded_gemm.cpp.
 struct Mat {
   torch::Tensor a, b;
   int64_t q4_activation_bits = 32;  // what Q4 and Q5 blocks multiply: float32, int16 or int8 x

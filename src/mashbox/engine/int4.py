@@ -7,7 +7,9 @@ bytes: d and dmin (fp16), eight 6-bit scales sc and mins mn packed in 12 bytes, 
 nibbles; its sub-block j is w = (d * sc_j) * q - dmin * mn_j, a Q4_1 group whose d and m,
 an fp16 times a 6-bit integer (17 significant bits), are exact in float32 but not always in
 fp16: kept as float32, 0.75 bytes a weight where the file has 0.5625 (mashbox's kernels
-only: torch's would round them to bf16). Q5_0, Q5_1 and Q5_K are the same with a fifth bit
+only: torch's would round them to bf16), or, with rounded activations, as the file keeps
+them (cpu_kernels.pack_k_scales: 0.58 bytes a weight), the kernels forming the same float32
+values. Q5_0, Q5_1 and Q5_K are the same with a fifth bit
 per weight (q in 0..31; Q5_0: w = (q - 16) * d, m = -16 d), packed beside the nibbles
 (cpu_kernels.pack_q5): 0.75 bytes a weight, 0.875 for Q5_K; mashbox's kernels only. Two
 kernels read them:
@@ -35,7 +37,7 @@ from .weights import RawBlocks
 GROUP = 32  # the GGUF block: one kernel group
 Q5_QTYPES = (Q.Q5_0, Q.Q5_1, Q.Q5_K)  # five bits a weight: mashbox's kernels only
 EXACT_QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K, *Q5_QTYPES)
-K_QTYPES = (Q.Q4_K, Q.Q5_K)  # whose groups take float32 d and m: mashbox's kernels only
+K_QTYPES = (Q.Q4_K, Q.Q5_K)  # whose groups take float32 d and m (or k_scales): ours only
 K_GROUPS = 8  # groups of 32 in a K-quant block
 # The blocks an int4 engine loads as stored (Q8_0 and Q6_K: q8_weight.py).
 KEPT_QTYPES = (*EXACT_QTYPES, Q.Q8_0, Q.Q6_K)

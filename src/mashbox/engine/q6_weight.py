@@ -57,9 +57,10 @@ class Q6Weight:
     kind = "q6_k"
     activation_bits = 16
     max_rows = Q4_MAX_ROWS["int16"]
-    # Up to how many rows the six bits are read: at 8 rows of qwen2.5's ffn_down the 6-bit
-    # kernel took 1.3x the int8 one's time (unpacking, compute-bound), at 4 rows 0.84x, at
-    # 1 row 0.71x (bench/kquant_rows.py). A decode step's rows (DecodeStack) always take them.
+    # Up to how many rows the six bits are read: on qwen2.5's ffn_down the 6-bit kernel took
+    # 0.65-0.72x the int8 one's time at 1 row, 0.80-0.85x at 2-4, and 1.2-1.3x at 8-256 in
+    # most runs (unpacking is compute-bound there; bench/kquant_rows.py). A decode step's
+    # rows (DecodeStack) always take them.
     DECODE_ROWS = 4
 
     def __init__(self, w: Tensor, blocks: list[RawBlocks]):
