@@ -169,12 +169,23 @@ async def test_a_cancelled_stream_frees_its_slot_for_the_next_request_at_once(
             await events.receive()
         queued = scheduler.submit(later)
         assert scheduler.statistics().waiting == 1
+        # Results received when the queued request gets its slot, counted as it happens:
+        # by the time this task looks, trio may have let the scheduler take one more.
+        placed_at, admit = [], scheduler.batch.admit
+
+        def admit_and_count(*args, **kwargs):
+            placed = admit(*args, **kwargs)
+            if any(seq is queued.sequence for seq in placed):
+                placed_at.append(link.received)
+            return placed
+
+        scheduler.batch.admit = admit_and_count
         await events.aclose()  # the route lets go mid-stream
         received = link.received
         with trio.fail_after(30):
             while queued.sequence.slot is None:
                 await trio.sleep(0)
-        assert link.received <= received + 1  # placed within one step
+        assert placed_at[0] <= received + 1  # placed within one step
         assert events.sequence.slot is None
         _, done = await answer(queued)
     assert queued.sequence.output_ids == expected
