@@ -42,10 +42,9 @@ def unpack_q6_k(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return (low | (high << 4)).reshape(n, -1), sc, d
 
 
-def q6_k_as_int8(b: Tensor) -> tuple[Tensor, Tensor]:
-    """Q6_K blocks as int8 q - 32 [N, K] and float32 d * sc [N, K / 16], exact (an fp16 times
-    an int8 has at most 19 significant bits): Q8Weight's groups of 16."""
-    q, sc, d = unpack_q6_k(b)
+def q6_k_as_int8(q: Tensor, sc: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    """unpack_q6_k's q, sc and d as int8 q - 32 [N, K] and float32 d * sc [N, K / 16], exact
+    (an fp16 times an int8 has at most 19 significant bits): Q8Weight's groups of 16."""
     return q.to(torch.int8) - 32, d.float().repeat_interleave(16, 1) * sc.float()
 
 
@@ -70,8 +69,7 @@ class Q6Weight:
         self.w = w
         self.kernel = cpu_kernels.load()
         self.qs, self.scales = cpu_kernels.pack_q6(q, sc, d)
-        q8, d8 = (torch.cat(p) for p in zip(*(q6_k_as_int8(b.data) for b in blocks), strict=True))
-        self.qs8, self.d8 = cpu_kernels.pack_q8(q8, d8)
+        self.qs8, self.d8 = cpu_kernels.pack_q8(*q6_k_as_int8(q, sc, d))  # the blocks unpacked once
 
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         rows, x32 = x.shape[0], x.float().contiguous()

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import cpu_kernels
 from .int4 import BLOCKS_MAX_ROWS, Q4_MAX_ROWS, unpack
-from .q6_weight import q6_k_as_int8
+from .q6_weight import q6_k_as_int8, unpack_q6_k
 from .weights import RawBlocks
 
 Q8_QTYPES = (Q.Q8_0, Q.Q6_K, Q.Q5_0, Q.Q4_0)  # whose weights are int8 values times a scale
@@ -40,7 +40,7 @@ def int8_blocks(blocks: RawBlocks) -> tuple[Tensor, Tensor]:
     float32 d [N, K / 16] (Q6_K): w = q * d."""
     b = blocks.data
     if blocks.qtype == Q.Q6_K:
-        return q6_k_as_int8(b)
+        return q6_k_as_int8(*unpack_q6_k(b))
     if blocks.qtype == Q.Q8_0:
         d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
         return b[..., 2:].contiguous().view(torch.int8).reshape(b.shape[0], -1), d
