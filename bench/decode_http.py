@@ -29,6 +29,9 @@ import httpx
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import sse_client  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
@@ -55,6 +58,62 @@ class SteadyWindow:
             self.ending.set()
 
 
+# Which client reads the streams: "lean" (sse_client.py on a thread: the least CPU an event)
+# or "httpx" under trio (what most Python programs use; ~0.5 ms of CPU an event here).
+CLIENT = "lean"
+
+
+def add_client_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--client", choices=["lean", "httpx"], default="lean",
+        help="what reads the streams (default lean: bench/sse_client.py, the least CPU an event)",
+    )  # fmt: skip
+
+
+def use_client(name: str) -> None:
+    global CLIENT
+    CLIENT = name
+
+
+class Tally:
+    """One stream's events as they arrive: its first and last content chunk's times, their
+    count, and the usage the server reported. `tell` runs window.piece in trio's thread (a
+    thread's tally is told only at the window's edges: each call costs a loop turn)."""
+
+    def __init__(self, window: SteadyWindow | None, tell):
+        self.window, self.tell = window, tell
+        self.first = self.last = None
+        self.pieces = 0  # content chunks: the token count for servers that send no usage
+        self.usage = self.timings = None
+
+    def add(self, event: dict) -> None:
+        now = time.perf_counter()
+        if event["choices"] and event["choices"][0]["delta"].get("content"):
+            self.first = self.first or now
+            self.last = now
+            self.pieces += 1
+            w = self.window
+            if w and (self.pieces == 1 or self.pieces >= w.end_piece and not w.ending.is_set()):
+                self.tell(w.piece, self.pieces)
+        if event.get("usage"):
+            self.usage, self.timings = event["usage"], event["timings"]
+
+
+def read_lean(url: str, body: dict, tally: Tally) -> None:
+    for event in sse_client.post_events(url, "/v1/chat/completions", body):
+        tally.add(event)
+
+
+async def read_httpx(url: str, body: dict, tally: Tally) -> None:
+    async with httpx.AsyncClient(timeout=600) as http:
+        async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    tally.add(json.loads(line[6:]))
+
+
 async def one_stream(
     url: str, tokens: int, seed: int, extra: dict | None = None, window: SteadyWindow | None = None
 ) -> dict:
@@ -66,29 +125,18 @@ async def one_stream(
         "stream_options": {"include_usage": True},
         **(extra or {}),  # fields another server needs (bench/vs_llama.py)
     }
-    first = last = None
-    pieces = 0  # content chunks: the token count for servers that send no usage
-    usage = timings = None
-    async with httpx.AsyncClient(timeout=600) as http:
-        async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                now = time.perf_counter()
-                if event["choices"] and event["choices"][0]["delta"].get("content"):
-                    first = first or now
-                    last = now
-                    pieces += 1
-                    if window:
-                        window.piece(pieces)
-                if event.get("usage"):
-                    usage, timings = event["usage"], event["timings"]
-    if not pieces:  # an error, or a server that lost the request: never wait for it
-        raise RuntimeError(f"stream {seed} ended without any text (HTTP {r.status_code})")
+    if CLIENT == "lean":
+        tally = Tally(window, trio.from_thread.run_sync)
+        await trio.to_thread.run_sync(read_lean, url, body, tally, abandon_on_cancel=True)
+    else:
+        tally = Tally(window, lambda fn, *args: fn(*args))
+        await read_httpx(url, body, tally)
+    if not tally.pieces:  # an error, or a server that lost the request: never wait for it
+        raise RuntimeError(f"stream {seed} ended without any text")
     if window and window.started.is_set():
         window.ending.set()  # a stream ended: steady decoding is over, however few its pieces
-    return {"first": first, "last": last, "usage": usage, "timings": timings, "pieces": pieces}
+    return {"first": tally.first, "last": tally.last, "usage": tally.usage,
+            "timings": tally.timings, "pieces": tally.pieces}  # fmt: skip
 
 
 async def gather_streams(
@@ -270,7 +318,9 @@ def main() -> None:
     parser.add_argument(
         "--no-engine-alone", action="store_true", help="skip timing the engine without a server"
     )
+    add_client_flag(parser)
     args = parser.parse_args()
+    use_client(args.client)
     if args.url:
         trio.run(main_async, args, args.url)
         return

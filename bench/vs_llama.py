@@ -386,7 +386,9 @@ def main() -> None:
         default=Path(tempfile.gettempdir()) / "mashbox-vs-llama.log",
         help="where mashbox's log goes (kept after the run)",
     )
+    decode_http.add_client_flag(parser)
     args = parser.parse_args()
+    decode_http.use_client(args.client)
     if args.long_decode:
         # long_prompt's token count is a guess (30 a sentence): up to ~3% more, then a template
         args.ctx = max(args.ctx, int(args.long_decode * 1.05) + args.tokens + 256)
@@ -395,7 +397,8 @@ def main() -> None:
     if args.install_only:
         return
     model = model_file(args.model)
-    print(f"model file {model}; {args.tokens} tokens a stream; streams {args.streams}")
+    print(f"model file {model}; {args.tokens} tokens a stream; streams {args.streams}; "
+          f"client {args.client}")  # fmt: skip
     # Before the servers: the bandwidth is read on an otherwise idle machine.
     bandwidth = vs_llama_targets.read_bandwidth(args.threads)
     print(f"memory read bandwidth, {args.threads} threads: {bandwidth / 1e9:.1f} GB/s", flush=True)
