@@ -2,11 +2,13 @@
 same GGUF.
 
 Installs llama-cpp-python into its own venv on first use (a native CPU build of llama.cpp),
-or runs a llama-server binary given with --llama-server; then starts each server in turn,
-never both at once, and measures decode tok/s through HTTP with decode_http.py's client, and
-time to first token on a long cold prompt. The ratio column is mashbox / baseline for rates
-and baseline / mashbox for times (rows ending ", s"), so above 1 always means mashbox is
-better.
+or runs a llama-server binary given with --llama-server; then starts both servers and lets
+them take turns (--rounds, the order flipping each round; the idle one sleeps), measuring
+decode tok/s through HTTP with decode_http.py's client and time to first token on a long
+cold prompt. The table holds each server's medians, and its ratio column is mashbox /
+baseline for rates and baseline / mashbox for times (rows ending ", s"), so above 1 always
+means mashbox is better. The targets take the median of each round's paired ratio, printed
+beside their range: this host's speed moves by tens of percent within minutes.
 
     .venv/bin/python bench/vs_llama.py                  # default model, 1/4/8 streams + TTFT
     .venv/bin/python bench/vs_llama.py --server-args "--decode-weights float"
@@ -29,6 +31,7 @@ llama-server`); it runs one slot per stream (`-np`), continuous batching, and ho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -231,51 +234,111 @@ def time_to_first_token(url: str, prompt: str) -> tuple[float, int]:
     return seconds, r.json()["usage"]["prompt_tokens"]
 
 
-def measure(url: str, args, extra: dict) -> dict:
-    """Decode at each stream count, then cold TTFT; the same requests for either server."""
-    out = {"load": [os.getloadavg()[0]]}  # other jobs' load skews both servers' speed
-    trio.run(decode_http.gather_streams, url, 1, 8, extra)  # warm-up
+def decode_round(url: str, args, extra: dict) -> dict:
+    """One stream_rates per stream count: the same requests for either server."""
+    out = {}
     for n in args.streams:
         out[n] = stream_rates(trio.run(decode_http.gather_streams, url, n, args.tokens, extra))
-        print(f"  {n} streams: {out[n]}", flush=True)
-    runs = [
-        time_to_first_token(url, long_prompt(nonce, args.prompt_tokens))
-        for nonce in range(1, args.ttft_runs + 1)
-    ]
-    print(f"  TTFT runs (s, prompt tokens): {runs}", flush=True)
-    out["ttft"] = statistics.median(s for s, _ in runs)
-    out["prompt_tokens"] = runs[0][1]
-    if args.long_decode:  # one stream's decode after an agent-sized prompt (its KV read whole)
-        messages = [{"role": "user", "content": long_prompt(99, args.long_decode)}]
-        long = trio.run(
-            decode_http.gather_streams, url, 1, args.tokens, {**extra, "messages": messages}
-        )
-        out["long"] = stream_rates(long)
-        print(f"  1 stream after a ~{args.long_decode}-token prompt: {out['long']}", flush=True)
-    out["load"].append(os.getloadavg()[0])
     return out
 
 
-def measure_llama(args, model: Path) -> dict:
+def ttft_round(url: str, args, nonces: range) -> list[tuple[float, int]]:
+    return [time_to_first_token(url, long_prompt(nonce, args.prompt_tokens)) for nonce in nonces]
+
+
+def long_decode(url: str, args, extra: dict) -> dict:
+    """One stream's decode after an agent-sized prompt (its KV read whole)."""
+    messages = [{"role": "user", "content": long_prompt(99, args.long_decode)}]
+    body = {**extra, "messages": messages}
+    return stream_rates(trio.run(decode_http.gather_streams, url, 1, args.tokens, body))
+
+
+def median_rates(rounds: list[dict]) -> dict:
+    """Each stream count's rates, the median over rounds (counts from the first)."""
+    out = {}
+    for n in rounds[0]:
+        runs = [r[n] for r in rounds]
+        out[n] = {
+            **runs[0],
+            **{k: statistics.median(r[k] for r in runs) for k in ("per_stream", "total")},
+            "first_spread": statistics.median(r["first_spread"] for r in runs),
+            "one_at_a_time": any(r["one_at_a_time"] for r in runs),
+        }
+    return out
+
+
+def measure_both(args, baseline, mashbox) -> tuple[dict, dict, list[dict]]:
+    """Both servers up at once (the idle one sleeps), taking turns round by round, so both
+    see the same host: on a shared machine its speed moves by tens of percent within minutes,
+    and one server's whole run after the other's compared two different machines. Each
+    round measures every stream count, then cold first tokens; the order of the two flips
+    every round. Returns each server's medians and each round's paired ratios."""
+    servers = {"base": baseline, "mash": mashbox}
+    for url, extra in servers.values():
+        trio.run(decode_http.gather_streams, url, 1, 8, extra)  # warm-up
+    decode = {k: [] for k in servers}
+    ttft = {k: [] for k in servers}
+    load = {k: [] for k in servers}
+    paired = []
+    for i in range(args.rounds):
+        order = ("base", "mash") if i % 2 == 0 else ("mash", "base")
+        nonces = range(1 + i * args.ttft_runs, 1 + (i + 1) * args.ttft_runs)  # cold each time
+        for who in order:
+            url, extra = servers[who]
+            load[who].append(os.getloadavg()[0])
+            decode[who].append(decode_round(url, args, extra))
+            ttft[who] += ttft_round(url, args, nonces)
+        last = {who: (decode[who][-1], ttft[who][-args.ttft_runs :]) for who in servers}
+        got = round_ratios(last["base"], last["mash"])
+        paired.append(got)
+        print(f"  round {i + 1}: " + ", ".join(f"{k}: {v:.2f}" for k, v in got.items()), flush=True)
+    out = {}
+    for who, (url, extra) in servers.items():
+        runs = ttft[who]
+        out[who] = {
+            **median_rates(decode[who]),
+            "ttft": statistics.median(s for s, _ in runs),
+            "prompt_tokens": runs[0][1],
+            "load": [min(load[who]), max(load[who])],
+        }
+        if args.long_decode:
+            out[who]["long"] = long_decode(url, args, extra)
+    return out["base"], out["mash"], paired
+
+
+def round_ratios(base: tuple[dict, list], mash: tuple[dict, list]) -> dict:
+    """One round's ratios, mashbox against the baseline (> 1: mashbox better): each stream
+    count's total rate, and "ttft" (the baseline's median first token over mashbox's)."""
+    (base_rates, base_ttft), (mash_rates, mash_ttft) = base, mash
+    out = {n: mash_rates[n]["total"] / base_rates[n]["total"] for n in base_rates}
+    out["ttft"] = statistics.median(s for s, _ in base_ttft) / statistics.median(
+        s for s, _ in mash_ttft
+    )
+    return out
+
+
+@contextlib.contextmanager
+def llama_running(args, model: Path):
+    """(url, extra request fields) of the baseline server while the block runs."""
     if args.llama_server:
         log = Path(str(args.llama_server) + ".log")
         proc, url = start_llama_server(args, model, log)
-        try:
-            print(f"llama-server at {url} (log {log})", flush=True)
-            return measure(url, args, {})
-        finally:
-            stop(proc)
-    log = args.llama_venv / "server.log"
-    proc, url = start_llama(args, model, log)
-    try:
+        print(f"llama-server at {url} (log {log})", flush=True)
+        extra = {}
+    else:
+        log = args.llama_venv / "server.log"
+        proc, url = start_llama(args, model, log)
         extra = {} if args.llama_keep_eos else {"logit_bias": end_token_bias(url)}
         print(f"llama-cpp-python at {url} (log {log}); extra request fields {extra}", flush=True)
-        return measure(url, args, extra)
+    try:
+        yield url, extra
     finally:
         stop(proc)
 
 
-def measure_mashbox(args) -> dict:
+@contextlib.contextmanager
+def mashbox_running(args):
+    """(url, the bytes one decode step reads) of mashbox while the block runs."""
     from support.serverproc import ServerProcess
 
     slots = str(max(args.streams))
@@ -289,7 +352,7 @@ def measure_mashbox(args) -> dict:
         )
         card = httpx.get(url + "/v1/models").json()["data"][0]
         # decode_gb is the engine's decode_bytes (the weights one step reads), in GB.
-        return {**measure(url, args, {}), "decode_bytes": round(card["decode_gb"] * 1e9)}
+        yield url, round(card["decode_gb"] * 1e9)
     finally:
         proc.stop()
 
@@ -334,7 +397,9 @@ def print_table(args, base: dict, mash: dict) -> None:
         fmt = ".2f" if is_time(metric) else ".1f"
         refs = "-" if ref is None else f"{ref}"
         print(f"| {metric} | {b:{fmt}} | {m:{fmt}} | {ratio(metric, b, m):.2f} | {refs} |")
-    print(f"TTFT: median of {args.ttft_runs} cold runs; prompt tokens: {name} ", end="")
+    runs = args.rounds * args.ttft_runs
+    print(f"medians of {args.rounds} rounds ({runs} cold first tokens each); ", end="")
+    print(f"prompt tokens: {name} ", end="")
     print(f"{base['prompt_tokens']}, mashbox {mash['prompt_tokens']}")
     for n in args.streams:
         print(f"tokens per stream at {n}: {name} {base[n]['counts']}, ", end="")
@@ -342,10 +407,10 @@ def print_table(args, base: dict, mash: dict) -> None:
         if base[n]["one_at_a_time"]:
             print(f"  {name} served the {n} streams one after another (serialized)")
     runs = {name: base["load"], "mashbox": mash["load"]}
-    loads = ", ".join(f"{who} {a:.2f} -> {b:.2f}" for who, (a, b) in runs.items())
-    print(f"1-min load average at start -> end of each server's run: {loads}")
+    loads = ", ".join(f"{who} {a:.2f}-{b:.2f}" for who, (a, b) in runs.items())
+    print(f"1-min load average as each server's turns began: {loads}")
     print(f"  ({os.cpu_count()} cores; the benchmark itself keeps about 2 busy, and the average")
-    print("  lags by a minute: a start above ~1.5 before the first server means other jobs)")
+    print("  lags by a minute: above ~2.5 means other jobs)")
 
 
 def baseline_name(args) -> str:
@@ -360,7 +425,10 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=2000, help="of the TTFT prompt")
-    parser.add_argument("--ttft-runs", type=int, default=3, help="cold runs; the median counts")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="turns each server takes; medians count"
+    )
+    parser.add_argument("--ttft-runs", type=int, default=1, help="cold first tokens a round")
     parser.add_argument("--ctx", type=int, default=2560, help="both servers' context")
     parser.add_argument(
         "--long-decode",
@@ -398,17 +466,17 @@ def main() -> None:
         return
     model = model_file(args.model)
     print(f"model file {model}; {args.tokens} tokens a stream; streams {args.streams}; "
-          f"client {args.client}")  # fmt: skip
+          f"{args.rounds} rounds; client {args.client}")  # fmt: skip
     # Before the servers: the bandwidth is read on an otherwise idle machine.
     bandwidth = vs_llama_targets.read_bandwidth(args.threads)
     print(f"memory read bandwidth, {args.threads} threads: {bandwidth / 1e9:.1f} GB/s", flush=True)
-    base = measure_llama(args, model)
-    mash = measure_mashbox(args)
+    with llama_running(args, model) as baseline, mashbox_running(args) as (url, decode_bytes):
+        base, mash, paired = measure_both(args, baseline, (url, {}))
     print_table(args, base, mash)
-    vs_llama_targets.print_targets(args.model, baseline_name(args), base, mash)
+    vs_llama_targets.print_targets(args.model, baseline_name(args), paired)
     if 1 in args.streams:
         rates = {baseline_name(args): base[1]["total"], "mashbox": mash[1]["total"]}
-        vs_llama_targets.print_roofline(mash["decode_bytes"], bandwidth, rates)
+        vs_llama_targets.print_roofline(decode_bytes, bandwidth, rates)
 
 
 if __name__ == "__main__":
