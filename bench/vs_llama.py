@@ -267,22 +267,25 @@ def median_rates(rounds: list[dict]) -> dict:
     return out
 
 
-def measure_both(args, baseline, mashbox) -> tuple[dict, dict, list[dict]]:
+def measure_both(args, baseline, mashbox, probe) -> tuple[dict, dict, list[dict], list]:
     """Both servers up at once (the idle one sleeps), taking turns round by round, so both
     see the same host: on a shared machine its speed moves by tens of percent within minutes,
     and one server's whole run after the other's compared two different machines. Each
     round measures every stream count, then cold first tokens; the order of the two flips
-    every round. Returns each server's medians and each round's paired ratios."""
+    every round, and each begins with a read of the memory bandwidth (`probe`) while both
+    sleep. Returns each server's medians, each round's paired ratios, and each round's
+    (bandwidth, {"base": 1-stream rate, "mash": 1-stream rate}) for the roofline."""
     servers = {"base": baseline, "mash": mashbox}
     for url, extra in servers.values():
         trio.run(decode_http.gather_streams, url, 1, 8, extra)  # warm-up
     decode = {k: [] for k in servers}
     ttft = {k: [] for k in servers}
     load = {k: [] for k in servers}
-    paired = []
+    paired, rooflines = [], []
     for i in range(args.rounds):
         order = ("base", "mash") if i % 2 == 0 else ("mash", "base")
         nonces = range(1 + i * args.ttft_runs, 1 + (i + 1) * args.ttft_runs)  # cold each time
+        bandwidth = probe.read()
         for who in order:
             url, extra = servers[who]
             load[who].append(os.getloadavg()[0])
@@ -291,7 +294,11 @@ def measure_both(args, baseline, mashbox) -> tuple[dict, dict, list[dict]]:
         last = {who: (decode[who][-1], ttft[who][-args.ttft_runs :]) for who in servers}
         got = round_ratios(last["base"], last["mash"])
         paired.append(got)
-        print(f"  round {i + 1}: " + ", ".join(f"{k}: {v:.2f}" for k, v in got.items()), flush=True)
+        ratios = ", ".join(f"{k}: {v:.2f}" for k, v in got.items())
+        print(f"  round {i + 1} ({bandwidth / 1e9:.1f} GB/s): ratios {ratios}", flush=True)
+        if 1 in args.streams:
+            rates = {who: decode[who][-1][1]["total"] for who in servers}
+            rooflines.append((bandwidth, rates))
     out = {}
     for who, (url, extra) in servers.items():
         runs = ttft[who]
@@ -303,7 +310,7 @@ def measure_both(args, baseline, mashbox) -> tuple[dict, dict, list[dict]]:
         }
         if args.long_decode:
             out[who]["long"] = long_decode(url, args, extra)
-    return out["base"], out["mash"], paired
+    return out["base"], out["mash"], paired, rooflines
 
 
 def round_ratios(base: tuple[dict, list], mash: tuple[dict, list]) -> dict:
@@ -467,16 +474,15 @@ def main() -> None:
     model = model_file(args.model)
     print(f"model file {model}; {args.tokens} tokens a stream; streams {args.streams}; "
           f"{args.rounds} rounds; client {args.client}")  # fmt: skip
-    # Before the servers: the bandwidth is read on an otherwise idle machine.
-    bandwidth = vs_llama_targets.read_bandwidth(args.threads)
-    print(f"memory read bandwidth, {args.threads} threads: {bandwidth / 1e9:.1f} GB/s", flush=True)
+    probe = vs_llama_targets.ReadProbe(args.threads)  # before the servers: 2 GiB, touched
     with llama_running(args, model) as baseline, mashbox_running(args) as (url, decode_bytes):
-        base, mash, paired = measure_both(args, baseline, (url, {}))
+        base, mash, paired, rooflines = measure_both(args, baseline, (url, {}), probe)
     print_table(args, base, mash)
     vs_llama_targets.print_targets(args.model, baseline_name(args), paired)
-    if 1 in args.streams:
-        rates = {baseline_name(args): base[1]["total"], "mashbox": mash[1]["total"]}
-        vs_llama_targets.print_roofline(decode_bytes, bandwidth, rates)
+    if rooflines:
+        name = baseline_name(args)
+        rounds = [(bw, {name: r["base"], "mashbox": r["mash"]}) for bw, r in rooflines]
+        vs_llama_targets.print_roofline(decode_bytes, rounds)
 
 
 if __name__ == "__main__":
