@@ -4,13 +4,16 @@ and what float16 keys and values change in the default model's greedy text."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 
 from mashbox import registry
 from mashbox.engine import kernel_build
 from mashbox.engine.engine import Engine
+from mashbox.protocol import Admit, Decode, Prefill, SamplingParams, Step
 from support.decode_steps import STEPS, TEXT_PROMPTS, greedy_logits
+from support.serverproc import serving
 from support.tinymodels import no_tokenizer, random_weights, write_gguf
 
 LACKS = kernel_build.machine_lacks()  # anywhere else, no kernels fails the tests below
@@ -95,3 +98,127 @@ def test_float16_keys_and_values_keep_the_default_models_greedy_text():
     print(f"largest logit change over a float16 cache: {change:.4f}")
     assert change < 0.1
     assert torch.equal(half.argmax(-1), exact.argmax(-1)), f"picks part within {STEPS} steps"
+
+
+# --- values past float16's range -----------------------------------------------------------
+
+SPECIAL = 5  # the one token whose layer-0 values overflow float16 (`overflowing`)
+
+
+@pytest.fixture(scope="module")
+def overflowing(tmp_path_factory):
+    """A model whose layer-0 values for SPECIAL are ~3e5, finite in float32 and past float16's
+    65504, and ~1 for every other token: only SPECIAL's embedding has a first component (its
+    normalized input is 16 there), and v's weights read that component 20,000-fold."""
+    w = random_weights(vocab=97, d_model=256, n_heads=4, n_kv_heads=2, seed=11)
+    w["token_embd.weight"][:, 0] = 0.0
+    w["token_embd.weight"][SPECIAL] = 0.0
+    w["token_embd.weight"][SPECIAL, 0] = 1.0
+    w["blk.0.attn_v.weight"][:, 0] = 20000.0
+    path = tmp_path_factory.mktemp("overflow") / "m.gguf"
+    return write_gguf(path, w, no_tokenizer, n_heads=4, n_kv_heads=2)
+
+
+def generate(engine: Engine, prompts: dict[int, list[int]], steps: int = 6) -> dict:
+    """Greedy tokens per slot, all prompts in the same steps; a slot the engine reports
+    non-finite (`StepResult.nonfinite`) gets None and is not decoded again."""
+    greedy_params = SamplingParams()
+    out = {slot: [] for slot in prompts}
+    result = engine.step(
+        Step(
+            admits=tuple(Admit(s, greedy_params, tuple(p)) for s, p in prompts.items()),
+            prefills=tuple(Prefill(s, 0, tuple(p), True) for s, p in prompts.items()),
+        )
+    )
+    for i in range(steps):
+        for slot in out:
+            if slot in result.nonfinite:
+                assert slot not in result.tokens
+                out[slot].append(None)
+            elif out[slot][-1:] != [None]:
+                out[slot].append(result.tokens[slot])
+        live = [s for s in out if out[s][-1] is not None]
+        if i == steps - 1 or not live:
+            break
+        decodes = tuple(Decode(s, out[s][-1], len(prompts[s]) + len(out[s]) - 1) for s in live)
+        result = engine.step(Step(decodes=decodes))
+    return out
+
+
+def test_a_row_past_float16s_range_ends_alone_and_the_others_keep_their_bits(overflowing):
+    """Over a float16 cache SPECIAL's values overflow to infinity and its request's logits
+    become NaN: the engine samples nothing for that row and says so, where before it picked
+    garbage. The other row in the same steps gets the tokens it gets alone, and a float32
+    cache computes SPECIAL's request through."""
+    hostile, plain = [7, SPECIAL, 9, 11], [7, 8, 9, 11]
+
+    def engine(kv_dtype):
+        return Engine(overflowing, slots=2, ctx=64, decode_weights="int8", kv_dtype=kv_dtype)
+
+    both = generate(engine("float16"), {0: hostile, 1: plain})
+    assert None in both[0], both
+    assert both[1] == generate(engine("float16"), {1: plain})[1]
+    assert None not in both[1]
+    exact = generate(engine("float32"), {0: hostile, 1: plain})
+    assert None not in exact[0] and len(exact[0]) == 6
+    assert exact[1] == both[1]
+
+
+@pytest.fixture(scope="module")
+def overflowing_llama(tmp_path_factory):
+    """`overflowing`'s trick in a tiny Llama with a real vocabulary: the token " Paris"
+    overflows float16 in layer 0; "The lazy dog" never holds it. (The tokenizer, the token.)"""
+    import sentencepiece
+
+    from support import tinytok
+
+    work = tmp_path_factory.mktemp("overflow-llama")
+    spm = tinytok.train_spm(work)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(spm))
+    special = sp.piece_to_id("▁Paris")
+    assert special != sp.unk_id() and special not in sp.encode("The lazy dog")
+    w = random_weights(vocab=sp.get_piece_size(), seed=0)
+    w["token_embd.weight"][:, 0] = 0.0
+    w["token_embd.weight"][special] = 0.0
+    w["token_embd.weight"][special, 0] = 1.0
+    w["blk.0.attn_v.weight"][:, 0] = 20000.0
+    path = work / "overflow.gguf"
+    return write_gguf(path, w, lambda writer: tinytok.add_spm_tokenizer(writer, spm))
+
+
+def test_a_request_past_float16s_range_is_a_500_that_says_so_and_nobody_elses(
+    overflowing_llama,
+):
+    """Through a real server: the request whose values overflow the float16 cache ends with a
+    500 in its route's shape naming `--kv-dtype float32`, streamed or not; a request beside
+    it and one after it in the same slot answer as on a fresh server; no engine restart. On
+    `--kv-dtype float32` the same request is answered."""
+    args = "--slots", "2", "--ctx", "512", "--threads", "1", "--decode-weights", "int8"
+
+    def complete(url: str, prompt: str, **extra) -> httpx.Response:
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        return httpx.post(url + "/v1/completions", json={**body, **extra}, timeout=60)
+
+    with serving(str(overflowing_llama), *args, "--kv-dtype", "float16") as proc:
+        plain = complete(proc.url, "The lazy dog")
+        assert plain.status_code == 200, plain.text
+        bad = complete(proc.url, "The capital is Paris")
+        assert bad.status_code == 500, bad.text
+        message = bad.json()["error"]["message"]
+        assert "NaN or infinite" in message and "--kv-dtype float32" in message
+        with httpx.stream(
+            "POST", proc.url + "/v1/completions", timeout=60,
+            json={"prompt": "Paris, then", "max_tokens": 8, "stream": True},
+        ) as r:  # fmt: skip
+            streamed = r.read().decode()
+        assert "NaN or infinite" in streamed, streamed
+        # Both slots have now held an overflow: what comes next is as on a fresh server.
+        again = [complete(proc.url, "The lazy dog") for _ in range(2)]
+        assert [r.json()["choices"][0]["text"] for r in again] == [
+            plain.json()["choices"][0]["text"]
+        ] * 2
+        health = httpx.get(proc.url + "/health").json()
+        assert health["worker_restarts"] == 0 and health["status"] == "ok"
+    with serving(str(overflowing_llama), *args, "--kv-dtype", "float32") as proc:
+        exact = complete(proc.url, "The capital is Paris")
+        assert exact.status_code == 200 and exact.json()["usage"]["completion_tokens"] == 8

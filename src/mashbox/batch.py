@@ -25,6 +25,11 @@ from .text.tokenizer import Tokenizer
 
 log = logging.getLogger("mashbox")
 
+NONFINITE = (
+    "the model's logits were NaN or infinite: a numerical overflow. With a float16 KV cache "
+    "(`/v1/models` says `kv_dtype`) keys or values past 65504 overflow; `mashbox run "
+    "--kv-dtype float32` keeps them as computed"
+)
 # Prompt tokens a join may carry (`Batch.plan_join`): it is written to the engine's pipe while
 # a step runs, so it must fit the pipe's buffer (64 KiB) or the event loop would wait.
 MAX_JOIN_TOKENS = 4096
@@ -258,6 +263,8 @@ class Batch:
                 seq.t_first = seq.t_last = now
                 seq.outbox.append(Embedding(result.embeddings[p.slot]))
                 self._finish(seq, "stop", flush=False)
+            elif p.sample and p.slot in result.nonfinite:
+                self._overflowed(seq)
             elif p.sample:
                 prompt_tokens += len(seq.request.prompt_ids)
                 generated += 1
@@ -281,6 +288,9 @@ class Batch:
             self.slots[d.slot].tokens.append(
                 seq.output_ids[d.position - len(seq.request.prompt_ids)]
             )
+            if d.slot in result.nonfinite:
+                self._overflowed(seq)
+                continue
             generated += 1
             self._on_token(seq, tokens[d.slot], now, result.logprobs.get(d.slot))
         self.observer.stepped(prompt_tokens, generated, result.forwards, result.elapsed_s)
@@ -332,6 +342,15 @@ class Batch:
         seq.done = True
         self.release(seq)
         self.draining.append(seq)
+
+    def _overflowed(self, seq: Sequence) -> None:
+        """The request's logits came back NaN or infinite: it ends with a 500 that says so,
+        and its slot keeps nothing, so no later prompt reuses the keys and values that
+        overflowed (a prompt with the same tokens computes the same overflow itself)."""
+        n = len(seq.output_ids)
+        log.warning("a request's logits were NaN or infinite at output token %d: ended", n + 1)
+        seq.slot.tokens.clear()
+        self.fail(seq, Failed(f"{NONFINITE} (at output token {n + 1})", status=500))
 
     def fail(self, seq: Sequence, failure: Failed) -> None:
         self.release(seq)

@@ -26,7 +26,7 @@ from . import weights as weights_mod
 from .grammar_mask import GrammarMasks, allowed
 from .kv_cache import KVCache
 from .model import Model
-from .sampling import apply_penalties, greedy, sample
+from .sampling import apply_penalties, finite_rows, greedy, sample
 
 log = logging.getLogger("mashbox.engine")
 
@@ -265,8 +265,9 @@ class Engine:
         tokens: dict[int, int] = {}
         logprobs: dict[int, tuple] = {}
         embeddings: dict[int, tuple[float, ...]] = {}
+        nonfinite: list[int] = []
         generation = [p for p in step.prefills if not p.pool]
-        self._prefill(generation, tokens, logprobs)
+        self._prefill(generation, tokens, logprobs, nonfinite)
         pooling = [p for p in step.prefills if p.pool]
         for p in pooling:
             ids = torch.tensor(p.token_ids, dtype=torch.long, device=self.device)
@@ -282,15 +283,23 @@ class Engine:
             ids = torch.tensor([self._input(d) for d in step.decodes], device=self.device)
             positions = torch.tensor([d.position for d in step.decodes], device=self.device)
             logits = self.model.logits(self.decoder.decode(slots, ids, positions))
-            plain = [r for r, d in enumerate(step.decodes) if self.slots[d.slot].plain_greedy]
+            finite = finite_rows(logits)
+            plain = [
+                r
+                for r, d in enumerate(step.decodes)
+                if finite[r] and self.slots[d.slot].plain_greedy
+            ]
             rows = logits if len(plain) == len(step.decodes) else logits[plain]
             picks = dict(zip(plain, greedy(rows), strict=True)) if plain else {}
             for row, d in enumerate(step.decodes):
-                if row in picks:
+                if not finite[row]:
+                    self._overflowed(d.slot, nonfinite)
+                elif row in picks:
                     tokens[d.slot] = self.slots[d.slot].last = picks[row]
                 else:
                     tokens[d.slot] = self._sample(d.slot, logits[row], d.position + 1)
-                self._read_logprobs(d.slot, logits[row], tokens[d.slot], logprobs)
+                if finite[row]:
+                    self._read_logprobs(d.slot, logits[row], tokens[d.slot], logprobs)
         decisions, forwards = {}, bool(generation) + len(pooling) + bool(step.decodes)
         for d in step.decides:
             decisions[d.slot], reads = self._decide(d)
@@ -307,6 +316,7 @@ class Engine:
             compiles_so_far(),
             logprobs=logprobs,
             disk_failed=disk_failed,
+            nonfinite=tuple(nonfinite),
         )
 
     def _restore(self, restore: Restore) -> bool:
@@ -326,7 +336,7 @@ class Engine:
             self.model.prefill(self.cache, restore.slot, start, chunk)
         return False
 
-    def _prefill(self, prefills: list, tokens: dict[int, int], logprobs: dict) -> None:
+    def _prefill(self, prefills: list, tokens: dict, logprobs: dict, nonfinite: list) -> None:
         """Every generation prefill of the step in one forward; sample where a prompt ends."""
         if not prefills:
             return
@@ -342,7 +352,11 @@ class Engine:
                 rows.append((p, last - 1))
         if rows:
             logits = self.model.logits(hidden[[row for _, row in rows]])
+            finite = finite_rows(logits)
             for i, (p, _) in enumerate(rows):
+                if not finite[i]:
+                    self._overflowed(p.slot, nonfinite)
+                    continue
                 tokens[p.slot] = self._sample(p.slot, logits[i], p.start + len(p.token_ids))
                 self._read_logprobs(p.slot, logits[i], tokens[p.slot], logprobs)
 
@@ -369,6 +383,13 @@ class Engine:
                     r += 1
                 out.append(tuple(reads))
         return tuple(out), forwards
+
+    def _overflowed(self, slot: int, nonfinite: list[int]) -> None:
+        """A row whose logits are NaN or infinite samples nothing: the scheduler ends its
+        request. A decode planned ahead may still feed back its token: it gets token 0, a
+        wasted row in a slot that is no longer its request's."""
+        nonfinite.append(slot)
+        self.slots[slot].last = 0
 
     def _input(self, decode) -> int:
         if decode.token_id != PREVIOUS:

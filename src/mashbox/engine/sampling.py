@@ -58,6 +58,12 @@ def apply_penalties(
     return logits
 
 
+def finite_rows(logits: Tensor) -> list[bool]:
+    """Whether each row of [rows, V] is free of NaN and infinity. A row's sum is finite only
+    if all its terms are (a sum of logits overflows float32 only if they are garbage too)."""
+    return torch.isfinite(logits.sum(-1)).tolist()
+
+
 def greedy(logits: Tensor) -> list[int]:
     """The first largest logit's index of each row of [rows, V]. On the CPU through numpy:
     torch's argmax takes ~130 us for one 49k row here, numpy's 7."""
