@@ -25,11 +25,13 @@ from .text.tokenizer import Tokenizer
 
 log = logging.getLogger("mashbox")
 
+# Why a request ended whose logits were not finite (`Batch._overflowed`).
 NONFINITE = (
     "the model's logits were NaN or infinite: a numerical overflow. With a float16 KV cache "
     "(`/v1/models` says `kv_dtype`) keys or values past 65504 overflow; `mashbox run "
     "--kv-dtype float32` keeps them as computed"
 )
+
 # Prompt tokens a join may carry (`Batch.plan_join`): it is written to the engine's pipe while
 # a step runs, so it must fit the pipe's buffer (64 KiB) or the event loop would wait.
 MAX_JOIN_TOKENS = 4096

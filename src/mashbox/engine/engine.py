@@ -294,12 +294,12 @@ class Engine:
             for row, d in enumerate(step.decodes):
                 if not finite[row]:
                     self._overflowed(d.slot, nonfinite)
-                elif row in picks:
+                    continue
+                if row in picks:
                     tokens[d.slot] = self.slots[d.slot].last = picks[row]
                 else:
                     tokens[d.slot] = self._sample(d.slot, logits[row], d.position + 1)
-                if finite[row]:
-                    self._read_logprobs(d.slot, logits[row], tokens[d.slot], logprobs)
+                self._read_logprobs(d.slot, logits[row], tokens[d.slot], logprobs)
         decisions, forwards = {}, bool(generation) + len(pooling) + bool(step.decodes)
         for d in step.decides:
             decisions[d.slot], reads = self._decide(d)
