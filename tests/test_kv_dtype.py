@@ -11,7 +11,7 @@ import torch
 from mashbox import registry
 from mashbox.engine import kernel_build
 from mashbox.engine.engine import Engine
-from mashbox.protocol import Admit, Decode, Prefill, SamplingParams, Step
+from mashbox.protocol import Admit, Branch, Decide, Decode, Prefill, SamplingParams, Step
 from support.decode_steps import STEPS, TEXT_PROMPTS, greedy_logits
 from support.serverproc import serving
 from support.tinymodels import no_tokenizer, random_weights, write_gguf
@@ -162,6 +162,24 @@ def test_a_row_past_float16s_range_ends_alone_and_the_others_keep_their_bits(ove
     exact = generate(engine("float32"), {0: hostile, 1: plain})
     assert None not in exact[0] and len(exact[0]) == 6
     assert exact[1] == both[1]
+
+
+def test_a_typed_decision_past_float16s_range_reads_nothing(overflowing):
+    """A decision's reads (log-probs after a prefix) over the overflow: no NaN log-probs
+    come back, the slot is reported instead; float32 reads them."""
+    prefix = (7, SPECIAL, 9, 11)
+    branch = Branch((12, 13), ((1, 2, 3), (5, 6)), leaves=(4,))
+
+    def decide(kv_dtype: str):
+        engine = Engine(overflowing, slots=1, ctx=64, decode_weights="int8", kv_dtype=kv_dtype)
+        admit = Admit(0, SamplingParams(), prefix)
+        engine.step(Step(admits=(admit,), prefills=(Prefill(0, 0, prefix, False),)))
+        return engine.step(Step(decides=(Decide(0, len(prefix), (branch,)),)))
+
+    half = decide("float16")
+    assert half.nonfinite == (0,) and half.decisions == {}
+    exact = decide("float32")
+    assert exact.nonfinite == () and len(exact.decisions[0][0]) == 2
 
 
 @pytest.fixture(scope="module")

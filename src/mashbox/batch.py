@@ -275,6 +275,9 @@ class Batch:
             seq = owner(d.slot)
             if seq is None:
                 continue
+            if d.slot in result.nonfinite:
+                self._overflowed(seq)
+                continue
             seq.readings.extend(result.decisions[d.slot])
             if len(seq.readings) < len(seq.request.branches):
                 continue  # more branches to read, in the next steps

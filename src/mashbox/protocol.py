@@ -209,7 +209,8 @@ class StepResult:
     logprobs: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = attrs.Factory(dict)
     # Disk cache files a restore found damaged or gone (removed; their tokens prefilled).
     disk_failed: tuple[str, ...] = ()
-    # Slots whose logits held NaN or infinity (a numerical overflow): nothing was sampled.
+    # Slots whose logits held NaN or infinity (a numerical overflow): nothing was sampled
+    # or read for them (no token, no decision).
     nonfinite: tuple[int, ...] = ()
 
 

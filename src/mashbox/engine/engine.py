@@ -302,8 +302,12 @@ class Engine:
                 self._read_logprobs(d.slot, logits[row], tokens[d.slot], logprobs)
         decisions, forwards = {}, bool(generation) + len(pooling) + bool(step.decodes)
         for d in step.decides:
-            decisions[d.slot], reads = self._decide(d)
+            read, reads = self._decide(d)
             forwards += reads
+            if read is None:
+                nonfinite.append(d.slot)
+            else:
+                decisions[d.slot] = read
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
@@ -360,9 +364,10 @@ class Engine:
                 tokens[p.slot] = self._sample(p.slot, logits[i], p.start + len(p.token_ids))
                 self._read_logprobs(p.slot, logits[i], tokens[p.slot], logprobs)
 
-    def _decide(self, decide: Decide) -> tuple[tuple, int]:
+    def _decide(self, decide: Decide) -> tuple[tuple | None, int]:
         """Each branch's candidate log-probs (float32, over the whole vocabulary), and the
-        forwards run: at most BRANCH_ROWS rows each, so a large request cannot exhaust memory."""
+        forwards run: at most BRANCH_ROWS rows each, so a large request cannot exhaust memory.
+        None for the reads where a row's logits were NaN or infinite."""
         out, forwards = [], 0
         for group in _batches(decide.branches, BRANCH_ROWS):
             forwards += 1
@@ -374,6 +379,8 @@ class Engine:
                 rows += [start + n - 1, *range(start + n, start + n + len(b.leaves))]
                 start += n + len(b.leaves)
             logits = self.model.logits(hidden[rows], row_invariant=True)
+            if not all(finite_rows(logits)):
+                return None, forwards
             logprobs = torch.log_softmax(logits, dim=-1).cpu()
             r = 0
             for b in group:
