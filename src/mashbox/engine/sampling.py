@@ -7,6 +7,7 @@ request gives the same tokens in any slot, whatever else is in the batch.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -59,9 +60,14 @@ def apply_penalties(
 
 
 def finite_rows(logits: Tensor) -> list[bool]:
-    """Whether each row of [rows, V] is free of NaN and infinity. A row's sum is finite only
-    if all its terms are (a sum of logits overflows float32 only if they are garbage too)."""
-    return torch.isfinite(logits.sum(-1)).tolist()
+    """Whether each row of [rows, V] is free of NaN and +infinity: its max is finite (NaN
+    propagates through max; -infinity alone, a masked logit, is no overflow). On the CPU
+    through numpy, one thread: a torch reduction this size wakes OpenMP's threads, which
+    then spin through the next step beside the kernels' pool (qwen2.5's 152k logits: 17 ->
+    22-25 ms a decode step through HTTP)."""
+    if logits.device.type == "cpu":
+        return np.isfinite(logits.numpy().max(-1)).tolist()
+    return torch.isfinite(logits.amax(-1)).tolist()
 
 
 def greedy(logits: Tensor) -> list[int]:
