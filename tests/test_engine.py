@@ -281,6 +281,48 @@ def test_sampling_follows_the_distribution():
     assert {sample(logits, min_p, pos) for pos in range(300)} == {0, 1}
 
 
+def whole_vocabulary_draw(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """The sampler as it was written first (torch, stop 29): the vocabulary sorted whole for
+    top_p, and Gumbel noise for every token, so no pruning can hide in it."""
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[0]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0 or params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        if params.min_p > 0.0:
+            logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+        if params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            drop_sorted = torch.cumsum(sorted_probs, 0) - sorted_probs >= params.top_p
+            drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+    gumbel = -torch.log(-torch.log(uniforms(params.seed, position, logits.shape[0])))
+    return int(torch.argmax(logits.double() + gumbel))
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat to peaked: few to most pruned
+def test_the_sampler_picks_what_a_draw_over_the_whole_vocabulary_picks(scale):
+    """`sample` gives noise only to tokens that can still win and sorts only the likeliest
+    for top_p: the same picks as the whole-vocabulary draw, token for token."""
+    g = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(4096, generator=g) * scale
+    settings = [
+        SamplingParams(temperature=0.8, seed=3),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=4),
+        SamplingParams(temperature=0.7, top_k=40, seed=5),
+        SamplingParams(temperature=1.3, min_p=0.05, seed=2**63 + 6),
+        SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=7),
+        SamplingParams(temperature=2.0, top_p=0.5, seed=8),
+    ]
+    varied = 0
+    for params in settings:
+        picks = [sample(logits, params, pos) for pos in range(60)]
+        assert picks == [whole_vocabulary_draw(logits, params, pos) for pos in range(60)]
+        varied += len(set(picks)) > 1
+    assert varied >= 2  # draws, not argmaxes (a peaked nucleus may hold one token)
+
+
 def test_penalties():
     logits = torch.tensor([2.0, -1.0, 0.5, 0.0])
     prompt = torch.tensor([True, True, False, False])
