@@ -289,8 +289,8 @@ class Engine:
                 for r, d in enumerate(step.decodes)
                 if finite[r] and self.slots[d.slot].plain_greedy
             ]
-            rows = logits if len(plain) == len(step.decodes) else logits[plain]
-            picks = dict(zip(plain, greedy(rows), strict=True)) if plain else {}
+            rows = None if len(plain) == len(step.decodes) else plain
+            picks = dict(zip(plain, greedy(logits, rows), strict=True)) if plain else {}
             for row, d in enumerate(step.decodes):
                 if not finite[row]:
                     self._overflowed(d.slot, nonfinite)

@@ -51,5 +51,7 @@ def allowed(logits: torch.Tensor, matcher, ends) -> torch.Tensor:
     if not keep.any():
         log.warning("a grammar allows no next token (%s): ending the answer", matcher.get_error())
         keep[[e for e in ends if e < keep.size]] = True
+    if logits.device.type == "cpu":  # numpy: torch's ops over a vocabulary wake OpenMP
+        return torch.from_numpy(np.where(keep, logits.numpy(), np.float32(-np.inf)))
     mask = torch.from_numpy(keep).to(logits.device)
     return logits.masked_fill(~mask, float("-inf"))
