@@ -63,16 +63,26 @@ class SteadyWindow:
 CLIENT = "lean"
 
 
+# Sampling fields every request carries (--temperature, --top-p); greedy when empty.
+SAMPLING: dict = {}
+
+
 def add_client_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--client", choices=["lean", "httpx"], default="lean",
         help="what reads the streams (default lean: bench/sse_client.py, the least CPU an event)",
     )  # fmt: skip
+    parser.add_argument("--temperature", type=float, help="sample (seeded) instead of greedy")
+    parser.add_argument("--top-p", type=float, help="with --temperature: nucleus sampling")
 
 
-def use_client(name: str) -> None:
+def use_client(args: argparse.Namespace) -> None:
     global CLIENT
-    CLIENT = name
+    CLIENT = args.client
+    if args.temperature is not None:
+        SAMPLING.update(temperature=args.temperature, seed=1)
+    if args.top_p is not None:
+        SAMPLING.update(top_p=args.top_p)
 
 
 class Tally:
@@ -123,6 +133,7 @@ async def one_stream(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **SAMPLING,
         **(extra or {}),  # fields another server needs (bench/vs_llama.py)
     }
     if CLIENT == "lean":
@@ -320,7 +331,7 @@ def main() -> None:
     )
     add_client_flag(parser)
     args = parser.parse_args()
-    use_client(args.client)
+    use_client(args)
     if args.url:
         trio.run(main_async, args, args.url)
         return

@@ -463,7 +463,7 @@ def main() -> None:
     )
     decode_http.add_client_flag(parser)
     args = parser.parse_args()
-    decode_http.use_client(args.client)
+    decode_http.use_client(args)
     if args.long_decode:
         # long_prompt's token count is a guess (30 a sentence): up to ~3% more, then a template
         args.ctx = max(args.ctx, int(args.long_decode * 1.05) + args.tokens + 256)
