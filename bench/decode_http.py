@@ -63,7 +63,8 @@ class SteadyWindow:
 CLIENT = "lean"
 
 
-# Sampling fields every request carries (--temperature, --top-p); greedy when empty.
+# Sampling fields every request carries (--temperature, --top-p, --top-logprobs); greedy
+# without log-probs when empty.
 SAMPLING: dict = {}
 
 
@@ -74,6 +75,7 @@ def add_client_flag(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--temperature", type=float, help="sample (seeded) instead of greedy")
     parser.add_argument("--top-p", type=float, help="with --temperature: nucleus sampling")
+    parser.add_argument("--top-logprobs", type=int, help="ask for log-probs, this many top ones")
 
 
 def use_client(args: argparse.Namespace) -> None:
@@ -83,6 +85,8 @@ def use_client(args: argparse.Namespace) -> None:
         SAMPLING.update(temperature=args.temperature, seed=1)
     if args.top_p is not None:
         SAMPLING.update(top_p=args.top_p)
+    if args.top_logprobs is not None:
+        SAMPLING.update(logprobs=True, top_logprobs=args.top_logprobs)
 
 
 class Tally:

@@ -26,7 +26,7 @@ from . import weights as weights_mod
 from .grammar_mask import GrammarMasks, allowed
 from .kv_cache import KVCache
 from .model import Model
-from .sampling import apply_penalties, finite_rows, greedy, sample
+from .sampling import apply_penalties, finite_rows, greedy, log_probs, sample
 
 log = logging.getLogger("mashbox.engine")
 
@@ -410,14 +410,8 @@ class Engine:
         """The sampled token's log-prob and the likeliest tokens', where the slot asks: the
         model's float32 log-softmax, before temperature and penalties (as OpenAI and vLLM)."""
         top = self.slots[slot].params.logprobs
-        if top < 0:
-            return
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        alternatives = ()
-        if top:
-            values, ids = torch.topk(lp, min(top, lp.shape[-1]))
-            alternatives = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-        out[slot] = (float(lp[token]), alternatives)
+        if top >= 0:
+            out[slot] = log_probs(logits, token, top)
 
     def _sample(self, slot: int, logits: torch.Tensor, position: int) -> int:
         state = self.slots[slot]

@@ -55,17 +55,39 @@ _SPREAD = float(_gumbel(1 - 0.5 / 2**32) - _gumbel(0.5 / 2**32)) + 1e-6
 def apply_penalties(
     logits: Tensor, params: SamplingParams, prompt_mask: Tensor, counts: Tensor
 ) -> Tensor:
-    """Repetition (prompt and output, as vLLM), frequency and presence (output) penalties."""
-    if params.repetition_penalty != 1.0:
-        seen = prompt_mask | (counts > 0)
-        penalized = torch.where(
-            logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty
-        )
-        logits = torch.where(seen, penalized, logits)
+    """Repetition (prompt and output, as vLLM), frequency and presence (output) penalties:
+    float32 arithmetic in numpy on one thread (see `sample`), the result on the CPU."""
+    repetition = params.repetition_penalty != 1.0
+    if not (repetition or params.frequency_penalty or params.presence_penalty):
+        return logits
+    x, c = logits.float().cpu().numpy(), counts.cpu().numpy()
+    if repetition:
+        rp = np.float32(params.repetition_penalty)
+        seen = prompt_mask.cpu().numpy() | (c > 0)
+        x = np.where(seen, np.where(x > 0, x / rp, x * rp), x)
     if params.frequency_penalty or params.presence_penalty:
-        c = counts.to(logits.dtype)
-        logits = logits - params.frequency_penalty * c - params.presence_penalty * (c > 0)
-    return logits
+        c = c.astype(np.float32)
+        x = x - np.float32(params.frequency_penalty) * c
+        x = x - np.float32(params.presence_penalty) * (c > 0)
+    return torch.from_numpy(x)
+
+
+def log_probs(logits: Tensor, token: int, top: int) -> tuple[float, tuple]:
+    """The token's log-prob under logits [V] (float32 log-softmax), and the `top` likeliest
+    tokens' as (token, log-prob), likeliest first (ties: the lower id). In numpy on one
+    thread, and only at the entries asked for: log-softmax is monotone, so the likeliest
+    logits are the likeliest log-probs."""
+    x = logits.float().cpu().numpy()
+    m = x.max()
+    lse = np.log(np.exp(x - m).sum(dtype=np.float64))
+    alternatives = ()
+    if top:
+        top = min(top, x.shape[0])
+        ids = np.argpartition(-x, top - 1)[:top] if top < x.shape[0] else np.arange(top)
+        ids = ids[np.lexsort((ids, -x[ids]))]
+        values = (x[ids] - m).astype(np.float64) - lse
+        alternatives = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return float((x[token] - m) - lse), alternatives
 
 
 def finite_rows(logits: Tensor) -> list[bool]:
