@@ -215,16 +215,36 @@ def test_anthropic_output_config_format_and_strict_tools(default_server):
                 "type": "json_schema", "schema": PERSON}}},
         )  # fmt: skip
         jsonschema.validate(json.loads(m.content[0].text), PERSON)
-    tool = {"name": "get_weather", "input_schema": WEATHER, "strict": True}
-    m = client.messages.create(
-        model=MODEL, max_tokens=120, tools=[tool],
-        tool_choice={"type": "any", "disable_parallel_tool_use": True},
-        messages=[{"role": "user", "content": "Weather in Paris?"}],
-        extra_body={"temperature": 1},
-    )  # fmt: skip
+    # Seeded: 2 seeds in 30 fail today (test_a_strict_calls_string_may_hold_the_end_tag),
+    # and unseeded this test failed that often.
+    m = strict_weather_call(client, seed=0)
     (use,) = [b for b in m.content if b.type == "tool_use"]  # one: no parallel calls
     assert m.stop_reason == "tool_use"
     jsonschema.validate(use.input, WEATHER)
+
+
+def strict_weather_call(client, seed: int):
+    tool = {"name": "get_weather", "input_schema": WEATHER, "strict": True}
+    return client.messages.create(
+        model=MODEL, max_tokens=120, tools=[tool],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        extra_body={"temperature": 1, "seed": seed},
+    )  # fmt: skip
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="not fixed yet: the answer's parser ends a tool call at `</tool_call>` even inside "
+    "a JSON string, which the strict call's grammar lets a string hold",
+)
+@pytest.mark.parametrize("seed", [7, 10])
+def test_a_strict_calls_string_may_hold_the_end_tag(default_server, seed):
+    """Seeds 7 and 10 write `"city": "Paris}}</tool_call>..."`: valid inside the grammar,
+    cut short by the parser, so the answer has no tool_use although tool_choice is any."""
+    client = anthropic.Anthropic(base_url=default_server.url, api_key="x", max_retries=0)
+    m = strict_weather_call(client, seed)
+    assert [b.type for b in m.content] == ["tool_use"] and m.stop_reason == "tool_use"
 
 
 def test_completions_take_a_response_format_as_vllm_does(server):
