@@ -203,6 +203,35 @@ def test_merge():
     assert merge(events) == [Content("ab"), Reasoning("cd"), PARIS, Content("e")]
 
 
+def test_a_close_tag_inside_a_json_string_is_the_arguments_text():
+    # A strict call's grammar lets a string hold the tag; the call ends where its JSON does.
+    body = '{"name": "get_weather", "arguments": {"city": "Paris}}</tool_call>\\"x"}}'
+    events = parse([f"<tool_call>\n{body}\n</tool_call>\nok"])
+    city = 'Paris}}</tool_call>\\"x'
+    assert events == [
+        ToolCall("get_weather", json.dumps({"city": json.loads(f'"{city}"')}), f"\n{body}\n"),
+        Content("ok"),
+    ]
+    # Unterminated by EOS, as a model stopping right after the JSON.
+    assert parse([f"<tool_call>{body}"])[0].name == "get_weather"
+
+
+SLIP = '<tool_call>{"name": "f", "arguments": {"x": "a</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("after", "events"),
+    [
+        ("\nthen", [Content("then")]),
+        ("\nthen</tool_call>", [Content("then</tool_call>")]),
+        (f"\nthen <tool_call>\n{WEATHER}\n</tool_call>", [Content("then"), PARIS]),
+    ],
+)
+def test_a_body_that_never_becomes_json_ends_at_the_first_close_tag(after, events):
+    # An unconstrained model's slip, a string left open: as if the tag had not been skipped.
+    assert parse([SLIP + after]) == [InvalidToolCall(SLIP), *events]
+
+
 SPLIT_CASES = [
     (
         {"reasoning": True},
@@ -212,6 +241,8 @@ SPLIT_CASES = [
     ({"reasoning": True, "in_reasoning": True}, "\nhm <th\n\n</think>\n \nAnswer <t\n"),
     ({"tool_call_open": True}, f"{WEATHER}\n</tool_call>\n\nok </tool_call"),
     ({"reasoning": True}, "<think>a</think>b<think>\n\nc\n</think><tool_call>{bad}</tool_call> "),
+    ({}, '<tool_call>{"name": "f", "x": "\\\\\\"</tool_call>"}</tool_call>ok'),
+    ({}, SLIP + ' <tool_call>{"name": "f"}</tool_call>'),
 ]
 
 
@@ -226,7 +257,9 @@ def test_every_split_gives_same_events(options, text):
 
 TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<", "</", "<th", "</tool_"]
 BODIES = [WEATHER, '{"name": "f", "parameters": "{\\"a\\": 1}"}', '{"name": ', "{}"]
-FRAGMENTS = st.sampled_from(TAGS + BODIES + ["\n", "\n\n", " ", "word", "é", "x y"])
+FRAGMENTS = st.sampled_from(
+    TAGS + BODIES + ["\n", "\n\n", " ", "word", "é", "x y", '"', "\\", '{"name": "f", "x": "']
+)
 
 
 @st.composite

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 
 import attrs
 
@@ -127,10 +128,12 @@ class OutputParser:
         # that follows has emitted a non-space character.
         self._strip_lead = in_reasoning
         self._scanned = 0  # how much of a tool body was already searched for the close tag
+        self._json = _JsonStrings()
+        self._skipped: int | None = None  # the first close tag found inside a JSON string
         if in_reasoning:
             self._state = _State.REASONING
         elif tool_call_open:
-            self._state = _State.TOOL
+            self._enter_tool()
         else:
             self._state = _State.CONTENT
 
@@ -167,6 +170,13 @@ class OutputParser:
         # Models often stop at EOS right after the JSON, without the close tag.
         body = held[: len(held) - _partial_suffix(held, (self._tool_close,))]
         event = self._tool_call(body, start)
+        if isinstance(event, InvalidToolCall) and self._skipped is not None:
+            # Not JSON after all: the call ended at the first close tag, as if never skipped.
+            self._buf, events = held, []
+            self._end_tool(self._skipped, events)
+            while self._step(events):
+                pass
+            return events + self.finish()
         if isinstance(event, InvalidToolCall):
             event = InvalidToolCall(self._tool_open + held, start=event.start)
         return [event]
@@ -188,7 +198,7 @@ class OutputParser:
             self._buf = buf[at + len(tag) :]
             self._strip_lead = True
             if tag == self._tool_open:
-                self._state, self._scanned = _State.TOOL, 0
+                self._enter_tool()
             else:
                 self._state = _State.REASONING
             return True
@@ -218,16 +228,34 @@ class OutputParser:
         self._buf = buf[len(text) :]
         return False
 
+    def _enter_tool(self) -> None:
+        self._state, self._scanned, self._skipped = _State.TOOL, 0, None
+        self._json = _JsonStrings()
+
     def _step_tool(self, events: list[Event]) -> bool:
-        at = self._buf.find(self._tool_close, self._scanned)
-        if at < 0:
-            self._scanned = max(0, len(self._buf) - len(self._tool_close) + 1)
-            return False
-        body = self._buf[:at]
-        events.append(self._tool_call(body, self._fed - len(self._buf)))
+        # A close tag inside a JSON string is the argument's text (a strict call's grammar
+        # allows it there), not the call's end; if the body then never becomes a valid call,
+        # the call ends at the first such tag after all, as in an unconstrained model's slip.
+        while True:
+            at = self._buf.find(self._tool_close, self._scanned)
+            if at < 0:
+                self._scanned = max(self._scanned, len(self._buf) - len(self._tool_close) + 1)
+                return False
+            if not self._json.in_string_at(self._buf, at):
+                break
+            if self._skipped is None:
+                self._skipped = at
+            self._scanned = at + 1
+        if self._skipped is not None and call_from_json(self._buf[:at]) is None:
+            at = self._skipped
+        self._end_tool(at, events)
+        return True
+
+    def _end_tool(self, at: int, events: list[Event]) -> None:
+        """Emit the call whose body is the buffer's first `at` characters; then content."""
+        events.append(self._tool_call(self._buf[:at], self._fed - len(self._buf)))
         self._buf = self._buf[at + len(self._tool_close) :]
         self._state, self._strip_lead = _State.CONTENT, True
-        return True
 
     def _tool_call(self, body: str, start: int) -> ToolCall | InvalidToolCall:
         """Parse a tool-call body (Hermes/Qwen JSON) that starts at `start` into a ToolCall,
@@ -259,6 +287,39 @@ def call_from_json(body: str) -> ToolCall | None:
     if not isinstance(args, dict):
         return None
     return ToolCall(call["name"], json.dumps(args, ensure_ascii=False), body)
+
+
+class _JsonStrings:
+    """Where JSON strings are in a growing text: lexes quotes and escapes once, forward."""
+
+    _QUOTE_OR_ESCAPE = re.compile(r'["\\]')
+
+    def __init__(self) -> None:
+        self._lexed = 0
+        self._in_string = False
+
+    def in_string_at(self, text: str, end: int) -> bool:
+        """Whether text[end] is inside a JSON string (end never moves backwards)."""
+        at = self._lexed
+        while True:
+            if not self._in_string:
+                quote = text.find('"', at, end)
+                if quote < 0:
+                    break
+                self._in_string, at = True, quote + 1
+                continue
+            found = self._QUOTE_OR_ESCAPE.search(text, at, end)
+            if found is None:
+                break
+            if found.group() == '"':
+                self._in_string, at = False, found.end()
+            elif found.end() < end:
+                at = found.end() + 1  # past the escaped character
+            else:
+                self._lexed = found.start()  # lex the escape again once its character is in
+                return True
+        self._lexed = end
+        return self._in_string
 
 
 def _first_tag(buf: str, tags: tuple[str, ...]) -> tuple[int, str | None]:
