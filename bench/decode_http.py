@@ -5,7 +5,8 @@ streaming chat requests with ignore_eos so each stream decodes exactly --tokens 
 prints per-stream and total decode speed next to the machine's decode limit: memory
 bandwidth (measured here with a large tensor copy) over the bytes each step must read.
 Also the engine's time per step and the server's (everything else: HTTP, scheduler, IPC,
-detokenizing, SSE), from the server's metrics during steady decoding. And, where it
+detokenizing, SSE), from the server's metrics during steady decoding, and the longest wait
+any stream saw for a token after its first (a join's prefill shows there too). And, where it
 started the server itself, the same engine alone in this process (no server, no HTTP),
 timed just before and just after each API run: its decode step beside the step through the
 API, so "server overhead" is what the API costs over the engine alone, whatever the engine
@@ -19,6 +20,7 @@ does meanwhile.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -98,12 +100,15 @@ class Tally:
         self.window, self.tell = window, tell
         self.first = self.last = None
         self.pieces = 0  # content chunks: the token count for servers that send no usage
+        self.max_gap = 0.0  # the longest wait for a content chunk after the first
         self.usage = self.timings = None
 
     def add(self, event: dict) -> None:
         now = time.perf_counter()
         if event["choices"] and event["choices"][0]["delta"].get("content"):
             self.first = self.first or now
+            if self.last is not None:
+                self.max_gap = max(self.max_gap, now - self.last)
             self.last = now
             self.pieces += 1
             w = self.window
@@ -151,13 +156,17 @@ async def one_stream(
     if window and window.started.is_set():
         window.ending.set()  # a stream ended: steady decoding is over, however few its pieces
     return {"first": tally.first, "last": tally.last, "usage": tally.usage,
-            "timings": tally.timings, "pieces": tally.pieces}  # fmt: skip
+            "timings": tally.timings, "pieces": tally.pieces, "max_gap": tally.max_gap}  # fmt: skip
 
 
 async def gather_streams(
     url: str, n: int, tokens: int, extra: dict | None = None, window: SteadyWindow | None = None
 ) -> list[dict]:
     """Run n streams at once; one_stream's result for each."""
+    # The client's own full collections (~100 ms with torch loaded here) would read as the
+    # server's stalls: what is alive now is out of their reach.
+    gc.collect()
+    gc.freeze()
     results = []
 
     async def worker(i):
@@ -228,6 +237,7 @@ async def run_streams(url: str, n: int, tokens: int, server_pid: int | None = No
         # engine process) and of this client: on 2 cores both come out of the engine's.
         "server_cpu_ms": (server1 - server0) / steps * 1000,
         "client_cpu_ms": (client1 - client0) / steps * 1000,
+        "max_gap_ms": max(r["max_gap"] for r in results) * 1000,  # a stall any stream saw
     }
 
 
@@ -281,7 +291,7 @@ async def main_async(args, url: str, server_pid: int | None = None, alone=None) 
     await run_streams(url, 1, 8)  # warm-up
     print(
         f"{'streams':>7} {'tok/s/stream':>13} {'total tok/s':>12} {'vs 1 stream':>12} "
-        f"{'steps/s of limit':>17} {'engine ms/step':>15} {'server ms/step':>15}"
+        f"{'steps/s of limit':>17} {'engine ms/step':>15} {'server ms/step':>15} {'max gap ms':>11}"
         + (f" {'server CPU ms/step':>19} {'client CPU ms/step':>19}" if server_pid else "")
     )
     base, compared = None, []
@@ -300,7 +310,7 @@ async def main_async(args, url: str, server_pid: int | None = None, alone=None) 
             f"{n:>7} {r['per_stream']:>13.1f} {r['total_wall']:>12.1f} "
             f"{r['total_wall'] / base:>11.2f}x {r['per_stream'] / limit:>16.0%} "
             f"{r['step_ms']:>15.1f} {r['server_ms']:>9.1f} ({r['server_ms'] / r['step_ms']:.0%})"
-            + cpu
+            f" {r['max_gap_ms']:>11.1f}" + cpu
         )
         if alone:
             compared.append((n, r["step_ms"] + r["server_ms"], before, after))

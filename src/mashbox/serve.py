@@ -16,6 +16,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from . import registry
+from .heap import freeze_heap
 from .options import ServeOptions
 from .prompt_cache import PromptCache
 from .scheduler import Scheduler
@@ -195,6 +196,7 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
         tenant_slots=tenant_slots(opts, state.guard),
     )
     state.loaded = Loaded(path.name, tokenizer, template, identity, scheduler)
+    freeze_heap()  # as the engine process does: no full collection walks the loaded server
     nursery.start_soon(scheduler.run)
     if info.kernels_fallback:
         log.warning(

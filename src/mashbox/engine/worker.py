@@ -8,6 +8,7 @@ from pathlib import Path
 
 import attrs
 
+from ..heap import freeze_heap
 from ..protocol import Shutdown, Step, WorkerFailed
 
 
@@ -54,6 +55,7 @@ def worker_main(
     except Exception as exc:
         conn.send(WorkerFailed(f"cannot load {path}: {exc}"))
         return
+    freeze_heap()
     conn.send(engine.info)
     held = None  # a message read early, while looking for a join
     while True:
@@ -77,3 +79,4 @@ def worker_main(
         except Exception:
             conn.send(WorkerFailed(traceback.format_exc(limit=8)))
             os._exit(1)  # state may be half-written: the supervisor starts a fresh worker
+
