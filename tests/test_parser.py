@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -230,6 +231,18 @@ SLIP = '<tool_call>{"name": "f", "arguments": {"x": "a</tool_call>'
 def test_a_body_that_never_becomes_json_ends_at_the_first_close_tag(after, events):
     # An unconstrained model's slip, a string left open: as if the tag had not been skipped.
     assert parse([SLIP + after]) == [InvalidToolCall(SLIP), *events]
+
+
+def test_slips_by_the_thousand_take_linear_time():
+    # What a hostile grammar can make a model write: every call a slip that reads on to the
+    # end. Read again call after call (the first fix) 100 KB took 7.5 s.
+    unit = '<tool_call>"</tool_call>"'
+    parser = OutputParser()
+    started = time.perf_counter()
+    events = parser.feed(unit * 20_000) + parser.finish()
+    assert time.perf_counter() - started < 5
+    assert events[:2] == [InvalidToolCall('<tool_call>"</tool_call>'), Content('"')]
+    assert len(events) == 40_000
 
 
 SPLIT_CASES = [

@@ -79,4 +79,3 @@ def worker_main(
         except Exception:
             conn.send(WorkerFailed(traceback.format_exc(limit=8)))
             os._exit(1)  # state may be half-written: the supervisor starts a fresh worker
-

@@ -130,6 +130,7 @@ class OutputParser:
         self._scanned = 0  # how much of a tool body was already searched for the close tag
         self._json = _JsonStrings()
         self._skipped: int | None = None  # the first close tag found inside a JSON string
+        self._slipped = False  # a call fell back to its first close tag (_fall_back)
         if in_reasoning:
             self._state = _State.REASONING
         elif tool_call_open:
@@ -158,6 +159,17 @@ class OutputParser:
 
     def finish(self) -> list[Event]:
         """End the generation: return events for the text still held back."""
+        events: list[Event] = []
+        # Models often stop at EOS right after the JSON, without the close tag.
+        if self._state is _State.TOOL and self._skipped is not None:
+            body = self._buf[: len(self._buf) - _partial_suffix(self._buf, (self._tool_close,))]
+            if call_from_json(body) is None:
+                self._fall_back(events)
+                while self._step(events):
+                    pass
+        return events + self._held_events()
+
+    def _held_events(self) -> list[Event]:
         held, self._buf = self._buf, ""
         start = self._fed - len(held)
         if self._state is _State.CONTENT:
@@ -167,16 +179,8 @@ class OutputParser:
             # Held reasoning is newlines, maybe followed by part of </think>.
             text = held.rstrip("\n")
             return [Reasoning(text, start=start)] if text else []
-        # Models often stop at EOS right after the JSON, without the close tag.
         body = held[: len(held) - _partial_suffix(held, (self._tool_close,))]
         event = self._tool_call(body, start)
-        if isinstance(event, InvalidToolCall) and self._skipped is not None:
-            # Not JSON after all: the call ended at the first close tag, as if never skipped.
-            self._buf, events = held, []
-            self._end_tool(self._skipped, events)
-            while self._step(events):
-                pass
-            return events + self.finish()
         if isinstance(event, InvalidToolCall):
             event = InvalidToolCall(self._tool_open + held, start=event.start)
         return [event]
@@ -235,21 +239,30 @@ class OutputParser:
     def _step_tool(self, events: list[Event]) -> bool:
         # A close tag inside a JSON string is the argument's text (a strict call's grammar
         # allows it there), not the call's end; if the body then never becomes a valid call,
-        # the call ends at the first such tag after all, as in an unconstrained model's slip.
+        # the call ends at the first such tag after all (an unconstrained model's slip), and
+        # so do all later calls.
         while True:
             at = self._buf.find(self._tool_close, self._scanned)
             if at < 0:
                 self._scanned = max(self._scanned, len(self._buf) - len(self._tool_close) + 1)
                 return False
-            if not self._json.in_string_at(self._buf, at):
+            if self._slipped or not self._json.in_string_at(self._buf, at):
                 break
             if self._skipped is None:
                 self._skipped = at
             self._scanned = at + 1
         if self._skipped is not None and call_from_json(self._buf[:at]) is None:
-            at = self._skipped
-        self._end_tool(at, events)
+            self._fall_back(events)
+        else:
+            self._end_tool(at, events)
         return True
+
+    def _fall_back(self, events: list[Event]) -> None:
+        """The call skipped a close tag inside a string but never became JSON: it ends at
+        that tag after all, and from then on every call ends at its first close tag (the
+        output is not a grammar's; reading the rest again call after call was quadratic)."""
+        self._end_tool(self._skipped, events)
+        self._slipped = True
 
     def _end_tool(self, at: int, events: list[Event]) -> None:
         """Emit the call whose body is the buffer's first `at` characters; then content."""
