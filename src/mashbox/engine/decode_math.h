@@ -264,6 +264,20 @@ static inline const float* widened(const uint16_t* p, int64_t n, float* room) {
   return room;
 }
 
+// A chunk's float16 keys, then its values, are read in bursts (16 or 32 positions) between
+// long runs of arithmetic for all its query heads, and the hardware prefetcher alone fell
+// behind them. So each burst [p, p + n) asks for the bytes KV_AHEAD on, up to the end of the
+// chunk's keys or values. 8 KiB ahead made a chunk ~5-15% faster from 300 to 16k positions
+// (cold caches, as a step's weights leave them); 2 or 16 KiB less (docs/performance.md).
+constexpr int64_t KV_AHEAD = 8192;
+
+static inline void prefetch_ahead(const float*, int64_t, const float*) {}  // float32: none
+static inline void prefetch_ahead(const uint16_t* p, int64_t n, const uint16_t* end) {
+  const char* ahead = reinterpret_cast<const char*>(p) + KV_AHEAD;
+  const char* stop = std::min(ahead + n * 2, reinterpret_cast<const char*>(end));
+  for (; ahead < stop; ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);
+}
+
 // The `group` query heads' (head_dim apart) scaled scores over `len` positions into scores[h *
 // ATTENTION_CHUNK + t], their maxima into top[h]. HB: head_dim / 16 if known when compiled
 // (16 positions' keys then read once for all the heads, their 16 sums finished together),
@@ -275,6 +289,7 @@ static void scores_of(const float* q, int64_t group, const T* k, int64_t len, in
   if constexpr (HB > 0) {
     alignas(64) float room[16 * 16 * HB];
     for (; t0 + 16 <= len; t0 += 16) {
+      prefetch_ahead(k + t0 * hd, 16 * hd, k + len * hd);
       const float* keys = widened(k + t0 * hd, 16 * hd, room);
       for (int64_t h = 0; h < group; ++h) {
         f32x16 qb[HB], acc[16];
@@ -367,6 +382,7 @@ static void attend_chunk(const float* q, int64_t group, const T* k, const T* v,
     alignas(64) float room[VALUE_BLOCK * 16 * HB];
     for (int64_t u = 0; u < len; u += VALUE_BLOCK) {
       const int64_t n = std::min(len - u, VALUE_BLOCK);
+      prefetch_ahead(v + u * hd, n * hd, v + len * hd);
       const float* values = widened(v + u * hd, n * hd, room);
       weigh_values_of<HB, (HB <= 4 ? 4 : 2)>(weights.data() + u, values, 0, n, hd, group,
                                             partials + 2, stride);
