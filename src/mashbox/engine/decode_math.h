@@ -267,8 +267,9 @@ static inline const float* widened(const uint16_t* p, int64_t n, float* room) {
 // A chunk's float16 keys, then its values, are read in bursts (16 or 32 positions) between
 // long runs of arithmetic for all its query heads, and the hardware prefetcher alone fell
 // behind them. So each burst [p, p + n) asks for the bytes KV_AHEAD on, up to the end of the
-// chunk's keys or values. 8 KiB ahead made a chunk ~5-15% faster from 300 to 16k positions
-// (cold caches, as a step's weights leave them); 2 or 16 KiB less (docs/performance.md).
+// chunk's keys or values. 8 KiB ahead made the attention ~5-15% faster from 1,000 to 16k
+// positions over a cold cache (as a step's weights leave it), about the same at 300; 2 or 16
+// KiB gained less (docs/performance.md).
 constexpr int64_t KV_AHEAD = 8192;
 
 static inline void prefetch_ahead(const float*, int64_t, const float*) {}  // float32: none
