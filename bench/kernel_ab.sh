@@ -13,12 +13,7 @@ work=$(mktemp -d /tmp/mashbox-kernel-ab.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/b"
 git archive "$rev" src/mashbox/engine | tar -x -C "$work/b"
-torch=$(.venv/bin/python -c "import os, torch; print(os.path.dirname(torch.__file__))")
-py_include=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-py_lib=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
-py_version=$(.venv/bin/python -c "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')")
-flags=(-isystem "$torch/include" -isystem "$torch/include/torch/csrc/api/include"
-  -isystem "$py_include" -fPIC -std=c++20 -O3 -march=native -fopenmp)
+source bench/native_flags.sh
 rename=(-DChunkPool=ChunkPoolB -Dq4a16_gemm=q4a16_gemm_B -Dq4a8_gemm=q4a8_gemm_B
   -Dq5a8_gemm=q5a8_gemm_B -Dq5a16_gemm=q5a16_gemm_B -Dq8a16_gemm=q8a16_gemm_B
   -Dq6a16_gemm=q6a16_gemm_B -DRounded=RoundedB)
@@ -27,8 +22,6 @@ g++ "${flags[@]}" -I"$a" -c "$a/rounded_gemm.cpp" -o "$work/a.o" & pids=($!)
 g++ "${flags[@]}" "${rename[@]}" -I"$b" -c "$b/rounded_gemm.cpp" -o "$work/b.o" & pids+=($!)
 g++ "${flags[@]}" -I"$a" -c bench/kernel_ab.cpp -o "$work/main.o" & pids+=($!)
 for pid in "${pids[@]}"; do wait "$pid"; done
-g++ "$work/main.o" "$work/a.o" "$work/b.o" -L"$torch/lib" -ltorch -ltorch_cpu -ltorch_python \
-  -lc10 -L"$py_lib" -lpython"$py_version" -fopenmp -Wl,-rpath,"$torch/lib:$py_lib" \
-  -o "$work/kernel_ab"
+g++ "$work/main.o" "$work/a.o" "$work/b.o" "${libs[@]}" -o "$work/kernel_ab"
 echo "A: this tree ($(git rev-parse --short HEAD)$(git diff --quiet -- src || echo ', modified')); B: $rev"
 "$work/kernel_ab" "$@"
