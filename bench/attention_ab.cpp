@@ -30,7 +30,8 @@ struct Shape {
   int64_t heads, kv_heads, layers, len, ctx;
 };
 
-// Seconds for one batch-1 row's attention through every layer, with CacheAttention `A`.
+// Seconds for one batch-1 row's attention through every layer, with `Attention` (either
+// build's CacheAttention).
 template <typename Attention>
 static double attend_all(const Shape& s, const std::vector<std::vector<uint16_t>>& k,
                          const std::vector<std::vector<uint16_t>>& v, const float* q, float* out) {

@@ -274,9 +274,10 @@ constexpr int64_t KV_AHEAD = 8192;
 
 static inline void prefetch_ahead(const float*, int64_t, const float*) {}  // float32: none
 static inline void prefetch_ahead(const uint16_t* p, int64_t n, const uint16_t* end) {
-  const char* ahead = reinterpret_cast<const char*>(p) + KV_AHEAD;
-  const char* stop = std::min(ahead + n * 2, reinterpret_cast<const char*>(end));
-  for (; ahead < stop; ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);
+  // Offsets, not pointers: a pointer past the cache's end is never formed.
+  const char* bytes = reinterpret_cast<const char*>(p);
+  const int64_t stop = std::min<int64_t>(KV_AHEAD + n * 2, (end - p) * 2);
+  for (int64_t at = KV_AHEAD; at < stop; at += 64) _mm_prefetch(bytes + at, _MM_HINT_T0);
 }
 
 // The `group` query heads' (head_dim apart) scaled scores over `len` positions into scores[h *
