@@ -269,10 +269,13 @@ async def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(server):
 
 
 async def test_concurrent_streams_all_progress(server):
-    """A late request's first token does not wait for the running ones to finish."""
+    """A late request's first token does not wait for the running ones to finish, and the
+    running one goes on meanwhile. The first stream is long (cancelled once the late one is
+    done) so that a fast engine cannot finish it before the late one is even admitted."""
     long = chat_body(
         "Tell a long story.",
-        max_tokens=120,
+        max_tokens=900,
+        ignore_eos=True,
         temperature=1.0,
         seed=3,
         presence_penalty=1.5,
@@ -286,15 +289,17 @@ async def test_concurrent_streams_all_progress(server):
                 async for line in r.aiter_lines():
                     if line.startswith("data: ") and '"content"' in line:
                         events.append((name, trio.current_time()))
+        events.append((f"{name} finished", trio.current_time()))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stream, "first", long)
         while not any(name == "first" for name, _ in events):
             await trio.sleep(0.01)
-        nursery.start_soon(stream, "late", {**long, "max_tokens": 3, "seed": 4})
-    first_done = max(t for name, t in events if name == "first")
+        await stream("late", {**long, "max_tokens": 8, "seed": 4})
+        nursery.cancel_scope.cancel()
     late_first = min(t for name, t in events if name == "late")
-    assert late_first < first_done
+    assert "first finished" not in [name for name, _ in events]  # still running at the end
+    assert any(name == "first" and t > late_first for name, t in events)
 
 
 def test_default_max_tokens_runs_to_the_end_of_the_context(server):
