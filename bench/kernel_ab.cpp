@@ -1,14 +1,17 @@
 // One process, two builds of the decode kernels side by side: this tree's (A) and another
 // commit's (B, its symbols renamed by kernel_ab.sh), taking turns over the same matrices, so
-// both see the same host. SmolLM2's 120 layer matrices at int4a16 (Q4_0-shaped random
-// blocks, 60 MB: past the L3 cache) and a Q8_0 head of 49,152 x 576, at M rows:
+// both see the same host. A model's layer matrices in its decode weights' kernels, random
+// blocks past the L3 cache, and its Q8_0 head, at M rows:
 //
-//   bash bench/kernel_ab.sh HEAD~1 [THREADS [M [HEAD_ROWS HEAD_K]]]
+//   bash bench/kernel_ab.sh HEAD~1 [THREADS [M [MODEL]]]
 //
-// Prints each pair's time ratio A / B over 10 alternations (below 1: A is faster) and each
+// MODEL: smollm2 (the default: 120 Q4_1 matrices, q4a16, 60 MB; head 49,152 x 576) or qwen
+// (qwen2.5-coder-0.5b Q4_K_M as mashbox loads it: per layer its Q8 qkv, Q5_0 output and
+// gate+up (q5a16) and Q6_K down (q6a16), 251 MB; head 151,936 x 896).
+//
+// Prints each kernel's time ratio A / B over 10 alternations (below 1: A is faster) and each
 // side's best, after checking that both give the same bits. Also how fast the pool reads the
 // same bytes without any arithmetic (a plain sum), the ceiling for these calls here.
-// Optional: the head's shape (qwen2.5-coder-0.5b's: 151936 896).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -18,43 +21,77 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "chunk_pool.h"
 
-void q4a16_gemm(const float*, const uint8_t*, const uint16_t*, float*, int64_t, int64_t, int64_t,
-                int);
-void q4a16_gemm_B(const float*, const uint8_t*, const uint16_t*, float*, int64_t, int64_t,
-                  int64_t, int);
-void q8a16_gemm(const float*, const int8_t*, const uint16_t*, float*, int64_t, int64_t, int64_t);
-void q8a16_gemm_B(const float*, const int8_t*, const uint16_t*, float*, int64_t, int64_t,
-                  int64_t);
+#define BOTH(ret, name, ...) ret name(__VA_ARGS__); ret name##_B(__VA_ARGS__);
+BOTH(void, q4a16_gemm, const float*, const uint8_t*, const uint16_t*, float*, int64_t, int64_t,
+     int64_t, int)
+BOTH(void, q5a16_gemm, const float*, const uint8_t*, const uint16_t*, float*, int64_t, int64_t,
+     int64_t, int)
+BOTH(void, q6a16_gemm, const float*, const uint8_t*, const uint8_t*, float*, int64_t, int64_t,
+     int64_t)
+BOTH(void, q8a16_gemm, const float*, const int8_t*, const uint16_t*, float*, int64_t, int64_t,
+     int64_t)
 
 using Clock = std::chrono::steady_clock;
 
-struct Matrix {
-  int64_t n, k;
-  std::vector<uint8_t> qs;
-  std::vector<uint16_t> d;  // fp16 scales, one per 32 weights
+// Bytes at 64-byte alignment, as torch's allocator gives the engine's tensors.
+struct Bytes {
+  std::unique_ptr<uint8_t, decltype(&std::free)> p{nullptr, &std::free};
+  size_t size = 0;
+  explicit Bytes(size_t n) : p(static_cast<uint8_t*>(std::aligned_alloc(64, (n + 63) / 64 * 64)), &std::free), size(n) {}
+  uint8_t* data() const { return p.get(); }
 };
 
-static Matrix random_matrix(std::mt19937& rng, int64_t n, int64_t k, int bits) {
-  Matrix m{n, k, std::vector<uint8_t>(n * k * bits / 8), std::vector<uint16_t>(n * k / 32)};
-  for (auto& b : m.qs) b = rng();
-  for (auto& d : m.d) d = 0x2000 + (rng() & 0xff);  // small positive fp16 values
+enum Kind { Q4, Q5, Q6, Q8 };
+static const char* const KIND_NAMES[] = {"q4a16 (Q4_1)", "q5a16 (Q5_0)", "q6a16 (Q6_K)",
+                                         "q8a16 (Q8_0)"};
+
+struct Matrix {
+  Kind kind;
+  int64_t n, k;
+  Bytes qs, scales;  // packed weights; fp16 d (and m), or Q6_K's int8 sc and fp16 d
+};
+
+static Matrix random_matrix(std::mt19937& rng, Kind kind, int64_t n, int64_t k) {
+  const int bits = kind == Q4 ? 4 : kind == Q5 ? 5 : kind == Q6 ? 6 : 8;
+  const int64_t scale_bytes = kind == Q6   ? n / 32 * (k / 256) * (16 * 32 + 2 * 32)
+                              : kind == Q4 ? n * k / 32 * 4
+                                           : n * k / 32 * 2;
+  Matrix m{kind, n, k, Bytes(n * k * bits / 8), Bytes(scale_bytes)};
+  for (size_t i = 0; i < m.qs.size; ++i) m.qs.data()[i] = rng();
+  if (kind == Q6) {  // small sc and fp16 d alike: finite, nonzero products
+    for (size_t i = 0; i < m.scales.size; ++i) m.scales.data()[i] = 1 + (rng() & 0x1f);
+  } else {
+    auto* d = reinterpret_cast<uint16_t*>(m.scales.data());
+    for (size_t i = 0; i < m.scales.size / 2; ++i) d[i] = 0x2000 + (rng() & 0xff);
+  }
   return m;
 }
 
-static size_t bytes(const std::vector<Matrix>& ms) {
-  size_t total = 0;
-  for (const auto& m : ms) total += m.qs.size() + 2 * m.d.size();
-  return total;
+// Kind's kernel from build A or B.
+static void gemm(const Matrix& m, bool b, const float* x, float* y, int64_t M) {
+  const auto* d = reinterpret_cast<const uint16_t*>(m.scales.data());
+  switch (m.kind) {
+    case Q4: return (b ? q4a16_gemm_B : q4a16_gemm)(x, m.qs.data(), d, y, M, m.k, m.n, 0);
+    case Q5: return (b ? q5a16_gemm_B : q5a16_gemm)(x, m.qs.data(), d, y, M, m.k, m.n, 16);
+    case Q6:
+      return (b ? q6a16_gemm_B : q6a16_gemm)(x, m.qs.data(), m.scales.data(), y, M, m.k, m.n);
+    case Q8:
+      return (b ? q8a16_gemm_B : q8a16_gemm)(x, reinterpret_cast<const int8_t*>(m.qs.data()), d,
+                                             y, M, m.k, m.n);
+  }
 }
 
-// The pool reading m's bytes with no arithmetic but a sum, in the kernels' chunks.
+// The pool reading m's weight bytes with no arithmetic but a sum, in the kernels' chunks.
 static void plain_sum(const Matrix& m, std::vector<float>& out) {
-  const int64_t chunks = m.n / 64, size = m.qs.size() / chunks;
+  const int64_t chunks = m.n / 64, size = m.qs.size / chunks;
   ChunkPool::get().run(chunks, 1, at::get_num_threads() - 1, [&](int64_t c) {
     const uint8_t* p = m.qs.data() + c * size;
     __m256i sum = _mm256_setzero_si256();
@@ -79,77 +116,74 @@ static double best_of(int times, const F& f) {
 int main(int argc, char** argv) {
   at::set_num_threads(argc > 1 ? atoi(argv[1]) : 2);
   const int64_t M = argc > 2 ? atoi(argv[2]) : 1;
+  const std::string model = argc > 3 ? argv[3] : "smollm2";
+  struct Shape { Kind kind; int64_t n, k; };
+  std::vector<Shape> layer_shapes;
+  Shape head_shape;
+  int layers;
+  if (model == "smollm2") {
+    layers = 30, head_shape = {Q8, 49152, 576};
+    layer_shapes = {{Q4, 960, 576}, {Q4, 576, 576}, {Q4, 3072, 576}, {Q4, 576, 1536}};
+  } else if (model == "qwen") {
+    layers = 24, head_shape = {Q8, 151936, 896};
+    layer_shapes = {{Q8, 1152, 896}, {Q5, 896, 896}, {Q5, 9728, 896}, {Q6, 896, 4864}};
+  } else {
+    std::printf("unknown model %s: smollm2 or qwen\n", model.c_str());
+    return 2;
+  }
   std::mt19937 rng(0);
-  std::vector<Matrix> layers, head;
-  const int64_t shapes[4][2] = {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}};
-  for (int layer = 0; layer < 30; ++layer)
-    for (const auto& s : shapes) layers.push_back(random_matrix(rng, s[0], s[1], 4));
-  const int64_t head_n = argc > 4 ? atoi(argv[3]) : 49152;
-  const int64_t head_k = argc > 4 ? atoi(argv[4]) : 576;
-  head.push_back(random_matrix(rng, head_n, head_k, 8));
-  std::vector<float> x(M * std::max<int64_t>(1536, head_k)), y(M * head_n), y2(M * head_n);
+  // The layers' matrices by kind, in the order a step reads them, and the head on its own.
+  std::map<Kind, std::vector<Matrix>> by_kind;
+  for (int layer = 0; layer < layers; ++layer)
+    for (const auto& s : layer_shapes) by_kind[s.kind].push_back(random_matrix(rng, s.kind, s.n, s.k));
+  std::vector<std::pair<std::string, std::vector<Matrix>*>> sets;
+  for (auto& [kind, ms] : by_kind)
+    sets.emplace_back(std::to_string(ms.size()) + " layer matrices, " + KIND_NAMES[kind], &ms);
+  std::vector<Matrix> head;
+  head.push_back(random_matrix(rng, head_shape.kind, head_shape.n, head_shape.k));
+  sets.emplace_back("head " + std::to_string(head_shape.n) + " x " +
+                        std::to_string(head_shape.k) + ", " + KIND_NAMES[head_shape.kind],
+                    &head);
+  std::vector<float> x(M * 8192), y(M * head_shape.n), y2(M * head_shape.n);
   for (auto& v : x) v = std::uniform_real_distribution<float>(-1, 1)(rng);
 
-  auto q4 = [&](auto gemm, float* out) {
-    for (const auto& m : layers) gemm(x.data(), m.qs.data(), m.d.data(), out, M, m.k, m.n, 8);
-  };
-  auto q8 = [&](auto gemm, float* out) {
-    for (const auto& m : head)
-      gemm(x.data(), reinterpret_cast<const int8_t*>(m.qs.data()), m.d.data(), out, M, m.k, m.n);
-  };
-  for (const auto& m : layers) {  // the same bits from both builds
-    q4a16_gemm(x.data(), m.qs.data(), m.d.data(), y.data(), M, m.k, m.n, 8);
-    q4a16_gemm_B(x.data(), m.qs.data(), m.d.data(), y2.data(), M, m.k, m.n, 8);
-    if (std::memcmp(y.data(), y2.data(), sizeof(float) * M * m.n)) {
-      std::printf("q4a16: A and B differ on a %ld x %ld matrix\n", m.n, m.k);
-      return 1;
+  for (const auto& [name, ms] : sets)  // the same bits from both builds
+    for (const auto& m : *ms) {
+      gemm(m, false, x.data(), y.data(), M);
+      gemm(m, true, x.data(), y2.data(), M);
+      if (std::memcmp(y.data(), y2.data(), sizeof(float) * M * m.n)) {
+        std::printf("%s: A and B differ on a %ld x %ld matrix\n", KIND_NAMES[m.kind], m.n, m.k);
+        return 1;
+      }
     }
-  }
-  q8(q8a16_gemm, y.data());
-  q8(q8a16_gemm_B, y2.data());
-  if (std::memcmp(y.data(), y2.data(), sizeof(float) * M * head[0].n)) {
-    std::printf("q8a16: A and B differ\n");
-    return 1;
-  }
 
-  // The ceiling: the pool summing the matrices' bytes, a pair of tiles a chunk.
-  const double plain = best_of(10, [&] {
-    for (const auto& m : layers) plain_sum(m, y);
-  });
-  const double head_plain = best_of(10, [&] { plain_sum(head[0], y); });
-  std::vector<double> r4, r8;
-  double a4 = 1e9, b4 = 1e9, a8 = 1e9, b8 = 1e9;
-  for (int round = 0; round < 10; ++round) {  // alternating which side goes first
-    double ta4, tb4, ta8, tb8;
-    auto time_a = [&] {
-      ta4 = best_of(10, [&] { q4(q4a16_gemm, y.data()); });
-      ta8 = best_of(10, [&] { q8(q8a16_gemm, y.data()); });
+  std::printf("%d threads, %ld rows, %s; time A / B, median of 10 (range); best of each; the "
+              "pool's plain sum of the same weight bytes:\n",
+              at::get_num_threads(), M, model.c_str());
+  for (const auto& [name, ms] : sets) {
+    auto all = [&](bool b) {
+      for (const auto& m : *ms) gemm(m, b, x.data(), y.data(), M);
     };
-    auto time_b = [&] {
-      tb4 = best_of(10, [&] { q4(q4a16_gemm_B, y.data()); });
-      tb8 = best_of(10, [&] { q8(q8a16_gemm_B, y.data()); });
-    };
-    if (round % 2) time_b(), time_a();
-    else time_a(), time_b();
-    r4.push_back(ta4 / tb4), r8.push_back(ta8 / tb8);
-    a4 = std::min(a4, ta4), b4 = std::min(b4, tb4), a8 = std::min(a8, ta8), b8 = std::min(b8, tb8);
+    std::vector<double> ratios;
+    double best_a = 1e9, best_b = 1e9, plain = 1e9;
+    for (int round = 0; round < 10; ++round) {  // alternating which side goes first
+      const bool b_first = round % 2;
+      const double t1 = best_of(5, [&] { all(b_first); });
+      const double t2 = best_of(5, [&] { all(!b_first); });
+      const double ta = b_first ? t2 : t1, tb = b_first ? t1 : t2;
+      ratios.push_back(ta / tb);
+      best_a = std::min(best_a, ta), best_b = std::min(best_b, tb);
+      plain = std::min(plain, best_of(2, [&] {
+                         for (const auto& m : *ms) plain_sum(m, y);
+                       }));
+    }
+    std::sort(ratios.begin(), ratios.end());
+    size_t total = 0, weights = 0;
+    for (const auto& m : *ms) total += m.qs.size + m.scales.size, weights += m.qs.size;
+    const double gb = total / 1e9;
+    std::printf("  %s (%.1f MB): %.3f (%.2f-%.2f); A %.3f ms (%.1f GB/s), B %.3f ms (%.1f "
+                "GB/s); plain sum %.1f GB/s\n",
+                name.c_str(), gb * 1e3, ratios[5], ratios[0], ratios[9], best_a * 1e3,
+                gb / best_a, best_b * 1e3, gb / best_b, weights / 1e9 / plain);
   }
-  std::sort(r4.begin(), r4.end());
-  std::sort(r8.begin(), r8.end());
-  const double gb = bytes(layers) / 1e9, head_gb = bytes(head) / 1e9;
-  std::printf("%d threads, %ld rows; time A / B, median of 10 (range):\n",
-              at::get_num_threads(), M);
-  std::printf("  120 layer matmuls, q4a16 (%.1f MB): %.3f (%.2f-%.2f); best A %.3f ms "
-              "(%.1f GB/s), B %.3f ms (%.1f GB/s)\n", gb * 1e3, r4[5], r4[0], r4[9], a4 * 1e3,
-              gb / a4, b4 * 1e3, gb / b4);
-  std::printf("  Q8_0 head %ld x %ld, q8a16 (%.1f MB; under ~32 MB it may sit in L3): %.3f "
-              "(%.2f-%.2f); best A %.3f ms (%.1f GB/s), B %.3f ms (%.1f GB/s)\n",
-              head[0].n, head[0].k, head_gb * 1e3, r8[5], r8[0], r8[9], a8 * 1e3, head_gb / a8,
-              b8 * 1e3, head_gb / b8);
-  size_t qs = 0;
-  for (const auto& m : layers) qs += m.qs.size();
-  std::printf("  ceiling: A's pool summing the layer matrices' 4-bit bytes: %.3f ms (%.1f GB/s)\n",
-              plain * 1e3, qs / 1e9 / plain);
-  std::printf("  ceiling: the same for the head's int8 bytes: %.3f ms (%.1f GB/s)\n",
-              head_plain * 1e3, head[0].qs.size() / 1e9 / head_plain);
 }

@@ -5,6 +5,7 @@
 #
 #   bash bench/kernel_ab.sh HEAD~1          # 2 threads, 1 row
 #   bash bench/kernel_ab.sh HEAD~1 1 8      # 1 thread, 8 rows
+#   bash bench/kernel_ab.sh HEAD~1 2 1 qwen # qwen2.5-coder-0.5b's Q5_0, Q6_K and Q8_0 kernels
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rev=$1
