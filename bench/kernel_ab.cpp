@@ -45,7 +45,9 @@ using Clock = std::chrono::steady_clock;
 struct Bytes {
   std::unique_ptr<uint8_t, decltype(&std::free)> p{nullptr, &std::free};
   size_t size = 0;
-  explicit Bytes(size_t n) : p(static_cast<uint8_t*>(std::aligned_alloc(64, (n + 63) / 64 * 64)), &std::free), size(n) {}
+  explicit Bytes(size_t n)
+      : p(static_cast<uint8_t*>(std::aligned_alloc(64, (n + 63) / 64 * 64)), &std::free),
+        size(n) {}
   uint8_t* data() const { return p.get(); }
 };
 
@@ -135,7 +137,8 @@ int main(int argc, char** argv) {
   // The layers' matrices by kind, in the order a step reads them, and the head on its own.
   std::map<Kind, std::vector<Matrix>> by_kind;
   for (int layer = 0; layer < layers; ++layer)
-    for (const auto& s : layer_shapes) by_kind[s.kind].push_back(random_matrix(rng, s.kind, s.n, s.k));
+    for (const auto& s : layer_shapes)
+      by_kind[s.kind].push_back(random_matrix(rng, s.kind, s.n, s.k));
   std::vector<std::pair<std::string, std::vector<Matrix>*>> sets;
   for (auto& [kind, ms] : by_kind)
     sets.emplace_back(std::to_string(ms.size()) + " layer matrices, " + KIND_NAMES[kind], &ms);
