@@ -230,27 +230,26 @@ constexpr int K_SUPER = 256, K_GROUPS = K_SUPER / 32,
               K_SCALES = 2 * K_GROUPS * TILE_LANES + 2 * 2 * TILE_LANES;
 // How far ahead of its loads a kernel asks for weights: with the hardware prefetcher alone,
 // one row of q4a16 over SmolLM2's 120 layer matrices took ~1.2x as long on one EPYC core;
-// 2048 bytes ahead read them 1.1-1.2x as fast as 1024 on two (docs/performance.md). The 4-
-// and 5-bit records, read one tile after the other since, ask 4x as far ahead (into the
-// next tile, which the same thread usually takes next): `bash bench/kernel_ab.sh` gave
-// 0.81-0.92x the time for one row of qwen's Q5_0 matrices, 0.90-0.98x for SmolLM2's Q4_1;
-// Q6's, still read a pair of tiles at a time, did no better that far ahead.
-constexpr int PREFETCH_AHEAD = 2048;
+// 2048 bytes ahead read them 1.1-1.2x as fast as 1024 on two (docs/performance.md). The 4-,
+// 5- and 6-bit records, read one tile after the other since (rounded_gemm), ask 8 KiB ahead
+// (into the next tile, which the same thread usually takes next): `bash bench/kernel_ab.sh`
+// gave 0.81-0.92x the time for one row of qwen's Q5_0 matrices, 0.90-0.98x for SmolLM2's
+// Q4_1. (The Q8 kernels' pairs keep 2048: 8 KiB ahead, qwen's head took 1.11-1.13x as long.)
+constexpr int PREFETCH_AHEAD = 2048, RECORDS_AHEAD = 8192;
 // Vector v's 8 weights a lane in the records of group g: weights k..k+3 (a byte each, in
 // 0..63) in `low`, k+4..k+7 in `high`. tile_qs: the bytes of a tile's records.
 template <int RECORD>
 static inline void weight_bytes(const uint8_t* qs, int v, int64_t g, int64_t tile_qs, vint& low,
                                 vint& high) {
   const uint8_t* record = qs + (v / VPT) * tile_qs + g * RECORD;
-  constexpr int ahead = RECORD == Q6_RECORD ? PREFETCH_AHEAD : 4 * PREFETCH_AHEAD;
-  _mm_prefetch(reinterpret_cast<const char*>(record + (v % VPT) * LANES * 4 + ahead),
+  _mm_prefetch(reinterpret_cast<const char*>(record + (v % VPT) * LANES * 4 + RECORDS_AHEAD),
                _MM_HINT_T0);
   // The line of a Q5 or Q6 record's bit planes, past its nibbles': asked for by the nibbles'
   // prefetch above only every other record (160-byte records), or never (192). Without it,
   // eight rows of Q5_0 waited on the planes' loads (40% of the samples at their kmovq) and
   // took 1.5x as long (bench/kernel_ab.sh HEAD~1 2 8 qwen: 0.65-0.67; Q6 0.91).
   if constexpr (RECORD >= Q5_RECORD)
-    _mm_prefetch(reinterpret_cast<const char*>(record + Q4_RECORD + ahead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(record + Q4_RECORD + RECORDS_AHEAD), _MM_HINT_T0);
   const vint w = vload_bytes(record + (v % VPT) * LANES * 4);
   low = low_nibbles(w);
   high = high_nibbles(w);

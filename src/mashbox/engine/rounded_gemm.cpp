@@ -285,23 +285,18 @@ static void rounded_gemm(const float* x, const uint8_t* qs, const S* scales, flo
                                         y, t * TILE + v0 * LANES, m, K, N);
   };
   using std::integral_constant;
-  // One row, a pair of tiles a call: the 4- and 5-bit records one tile after the other, one
-  // stream of weights at a time, which memory serves faster than two side by side (both
-  // tiles' vectors at once, each x broadcast shared by four: 0.89-0.97x the time, `bash
-  // bench/kernel_ab.sh` at one and two threads); Q6's, whose groups of 16 cost the most
-  // arithmetic a byte, both at once (one at a time: 0.99-1.15x).
+  // One row, a pair of tiles a call: one tile after the other, one stream of weights at a
+  // time, which memory serves faster than two side by side (both tiles' vectors at once, each
+  // x broadcast shared by four: `bash bench/kernel_ab.sh`, 0.89-0.97x the time for Q4 and Q5
+  // records; Q6's 0.93-1.01 once their bit planes were prefetched, weight_bytes).
   // Several rows as bytes: R rows x 2 vectors a block, each x broadcast shared by both (int16
   // as two bytes: two sums each, half the rows).
   constexpr int R = INT16 ? ACCUMULATORS / 4 : ACCUMULATORS / 2;
   over_tiles(
       M, tiles,
       [&](int64_t t) {
-        if constexpr (Q6) {
-          tile(integral_constant<int, 2 * VPT>{}, integral_constant<int, 1>{}, t, 0, 0);
-        } else {
-          tile(integral_constant<int, VPT>{}, integral_constant<int, 1>{}, t, 0, 0);
-          tile(integral_constant<int, VPT>{}, integral_constant<int, 1>{}, t + 1, 0, 0);
-        }
+        tile(integral_constant<int, VPT>{}, integral_constant<int, 1>{}, t, 0, 0);
+        tile(integral_constant<int, VPT>{}, integral_constant<int, 1>{}, t + 1, 0, 0);
       },
       [&](int64_t t) { tile(integral_constant<int, VPT>{}, integral_constant<int, 1>{}, t, 0, 0); },
       [&](int64_t t) {
