@@ -56,6 +56,17 @@ def kv(e: Engine, slot: int, n: int = N) -> tuple[torch.Tensor, torch.Tensor]:
     return e.cache.k[:, slot, :, :n].clone(), e.cache.v[:, slot, :, :n].clone()
 
 
+def _bytes_in(directory: Path) -> int:
+    """The sizes of the files in `directory` now. The server writes and removes them in the
+    background: one removed between the listing and its stat is gone, and counts nothing
+    (stat raised FileNotFoundError there once, in CI)."""
+    total = 0
+    for path in directory.iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            total += path.stat().st_size
+    return total
+
+
 def test_a_restored_prefix_is_exactly_a_fresh_prefill(tiny_llama, tmp_path):
     """Bit for bit: the file holds the cache's own bytes (same dtype, no conversion), and the
     key holds everything that computes them (model, layout, decode weights, kernels, torch),
@@ -140,7 +151,7 @@ def test_the_start_keeps_the_directory_under_its_cap(tiny_llama, tmp_path):
     os.utime(old, (1, 1))  # the least recently used
     after = engine(tiny_llama, tmp_path, cap=2 * size)
     assert {d.name for d in after.info.disk_entries} == {names[0], names[2]}
-    assert sum(p.stat().st_size for p in tmp_path.iterdir()) <= 2 * size
+    assert _bytes_in(tmp_path) <= 2 * size
 
 
 def test_the_index_evicts_least_recently_used_files_at_the_cap():
@@ -229,14 +240,3 @@ def test_the_directory_stays_under_its_cap(tiny_llama, tmp_path):
             assert r["timings"]["cache_n"] > 1000
             assert _bytes_in(tmp_path) <= 2**20
     assert len(list(tmp_path.iterdir())) == 1
-
-
-def _bytes_in(directory: Path) -> int:
-    """The sizes of the files in `directory` now. The server writes and removes them in the
-    background: one removed between the listing and its stat is gone, and counts nothing
-    (stat raised FileNotFoundError there once, in CI)."""
-    total = 0
-    for path in directory.iterdir():
-        with contextlib.suppress(FileNotFoundError):
-            total += path.stat().st_size
-    return total
