@@ -42,10 +42,16 @@ static inline f32x16 fnmadd(f32x16 a, f32x16 b, f32x16 c) {
 static inline f32x16 round_down(f32x16 x) {  // 0x09: toward -inf, no exceptions
   return {_mm512_roundscale_ps(x.v, 0x09)};
 }
+static inline f32x16 round_nearest(f32x16 x) {  // 0x08: to nearest even, no exceptions
+  return {_mm512_roundscale_ps(x.v, 0x08)};
+}
 static inline f32x16 pow2(f32x16 n) {  // 2^n for whole n in [-126, 127]
   const __m512i e = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23);
   return {_mm512_castsi512_ps(e)};
+}
+static inline f32x16 times_pow2(f32x16 x, f32x16 n) {  // x 2^n, as mul(x, pow2(n)) rounds it
+  return {_mm512_scalef_ps(x.v, n.v)};
 }
 static inline __m256 fold8(f32x16 x) {  // lane i + lane i + 8
   const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x.v), 1));
@@ -113,6 +119,11 @@ static inline __m256 pow2_8(__m256 n) {
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
 static inline f32x16 pow2(f32x16 n) { return {pow2_8(n.lo), pow2_8(n.hi)}; }
+static inline f32x16 round_nearest(f32x16 x) {
+  constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(x.lo, mode), _mm256_round_ps(x.hi, mode)};
+}
+static inline f32x16 times_pow2(f32x16 x, f32x16 n) { return mul(x, pow2(n)); }
 static inline __m256 fold8(f32x16 x) { return _mm256_add_ps(x.lo, x.hi); }
 static inline float first_lane(f32x16 x) { return _mm256_cvtss_f32(x.lo); }
 #endif
@@ -182,6 +193,22 @@ static inline f32x16 exp(f32x16 x) {
   return mul(p, pow2(n));
 }
 static inline float exp(float x) { return first_lane(exp(splat(x))); }  // the same polynomial
+
+// 2^x lane by lane for x <= 0 (2^-126 below -126): 2^fraction by a degree-6 polynomial
+// (about 1 ulp; fitted here to 2^f's relative error on [-0.5, 0.5]), then the whole power
+// exactly. Half exp's instructions: for a prefill chunk's softmax, whose scores are scaled
+// into base 2 by the same multiply-add that subtracts their max.
+static inline f32x16 exp2_nonpositive(f32x16 x) {
+  x = vmax(x, splat(-126.0f));
+  const f32x16 n = round_nearest(x), f = sub(x, n);  // f exact, in [-0.5, 0.5]
+  f32x16 p = splat(1.5353362e-4f);
+  p = fmadd(p, f, splat(1.3398875e-3f));
+  p = fmadd(p, f, splat(9.6184369e-3f));
+  p = fmadd(p, f, splat(5.5503324e-2f));
+  p = fmadd(p, f, splat(2.4022648e-1f));
+  p = fmadd(p, f, splat(6.9314718e-1f));
+  return times_pow2(fmadd(p, f, splat(1.0f)), n);
+}
 
 // n floats, 16 at a time (i the first, count 16 or fewer at the tail).
 template <typename F>

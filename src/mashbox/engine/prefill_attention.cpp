@@ -2,6 +2,7 @@
 #include "decode_math.h"
 
 #include <cmath>
+#include <numbers>
 #include <vector>
 
 // Causal softmax attention of a prefill chunk over one slot's KV cache: row i of the
@@ -137,7 +138,7 @@ void attend_block(const Task<T>& a, int64_t kh, int64_t r0, int64_t r1) {
   }
   const T* keys = a.k + kh * a.kv_head;
   const T* values = a.v + kh * a.kv_head;
-  const f32x16 scale = splat(a.scale);
+  const f32x16 scale = splat(a.scale * std::numbers::log2e_v<float>);  // e^(s x) = 2^(s x log2 e)
   for (int64_t k0 = 0; k0 <= last; k0 += KEY_BLOCK) {
     const int64_t nk = std::min(KEY_BLOCK, last + 1 - k0);
     // The next block's keys and values into L2 meanwhile (a block computes long enough).
@@ -160,18 +161,24 @@ void attend_block(const Task<T>& a, int64_t kh, int64_t r0, int64_t r1) {
     for (int64_t v = 0; v < vecs; ++v) {
       float* sv = s.data() + 16 * v;
       const f32x16 lim = load(limit.data() + 16 * v);
-      f32x16 top_v = load(top.data() + 16 * v), block_top = splat(-INFINITY);
-      for (int64_t t = 0; t < nk; ++t) {
-        f32x16 x = load(sv + t * width);
-        if (masked) x = visible(x, splat(static_cast<float>(k0 + t)), lim, splat(-INFINITY));
-        block_top = vmax(block_top, x);
-      }
-      const f32x16 new_top = vmax(top_v, block_top);
-      const f32x16 rescale = exp(mul(sub(top_v, new_top), scale));
+      // The block's max in four chains (max is exact in any order): one chain waited on
+      // each load from L2.
+      f32x16 top_v = load(top.data() + 16 * v), tops[4];
+      for (auto& x : tops) x = splat(-INFINITY);
+      auto seen = [&](int64_t t) {  // key k0 + t's scores, -inf where a query may not see it
+        const f32x16 x = load(sv + t * width);
+        return masked ? visible(x, splat(static_cast<float>(k0 + t)), lim, splat(-INFINITY)) : x;
+      };
+      int64_t t = 0;
+      for (; t + 4 <= nk; t += 4)
+        for (int j = 0; j < 4; ++j) tops[j] = vmax(tops[j], seen(t + j));
+      for (; t < nk; ++t) tops[0] = vmax(tops[0], seen(t));
+      const f32x16 new_top = vmax(vmax(top_v, tops[0]), vmax(vmax(tops[1], tops[2]), tops[3]));
+      const f32x16 rescale = exp2_nonpositive(mul(sub(top_v, new_top), scale));
       const f32x16 shift = sub(zeros(), mul(new_top, scale));
       f32x16 total = mul(load(sum.data() + 16 * v), rescale);
       for (int64_t t = 0; t < nk; ++t) {
-        f32x16 p = exp(fmadd(load(sv + t * width), scale, shift));
+        f32x16 p = exp2_nonpositive(fmadd(load(sv + t * width), scale, shift));
         if (masked) p = visible(p, splat(static_cast<float>(k0 + t)), lim, zeros());
         store(sv + t * width, p);
         total = add(total, p);
