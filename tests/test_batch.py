@@ -247,6 +247,27 @@ def test_a_fault_runs_requests_again_once_and_fails_the_one_that_caused_it(tok):
     assert not batch.waiting
 
 
+def test_a_join_lost_alone_after_its_step_is_the_fault_of_its_new_work(tok):
+    """The engine ran a join after the step it was queued behind (not inside it), and faulted
+    on it: only the newcomer's work was lost, beside a request decoding steadily until then.
+    Found on a slow host, where the newcomer was run again beside it, faulted again and took
+    the steady one's only run again with it."""
+    batch = Batch(tok, slots=2, ctx=64)
+    steady = started(batch, tok.encode(PARIS), tok.encode("Paris")[0])
+    send(batch, batch.plan())
+    newcomer = queue(batch, tok.encode("Hello, world!"))
+    send(batch, batch.plan_ahead(), ahead=True)
+    send(batch, batch.plan_join())
+    result(batch, {0: 300})
+    result(batch, {0: 301})  # not joined: the join runs after, on its own
+    assert [sent.step.decodes for sent in batch.in_flight] == [()]
+    batch.on_fault(hung=False, unseen=lambda seq: True)
+    assert newcomer.outbox[-1] == Failed(
+        "the request faulted the engine and is not run again", status=500
+    )
+    assert list(batch.waiting) == [steady] and steady.retried
+
+
 def test_a_stream_runs_again_only_if_its_client_has_seen_nothing(tok):
     batch = Batch(tok, slots=2, ctx=64)
     seen = queue(batch, tok.encode(PARIS), stream=True)

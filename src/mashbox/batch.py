@@ -378,8 +378,10 @@ class Batch:
 
     def _poison(self) -> Sequence | None:
         """The request to blame for a fault: the only one whose new work (admission, prompt
-        chunk or read) was in the lost steps, when others' decodes, fine the step before,
-        were there too. Alone in its steps, or with other new work, nobody is blamed."""
+        chunk or read) was in the lost steps, when others were decoding steadily beside it:
+        their decodes in those steps, fine the step before, or their output landed before a
+        join that ran after their step (the join alone was lost). Alone in the engine, or
+        with other new work, nobody is blamed."""
         new, steady = set(), set()
         for sent in self.in_flight:
             step = sent.step
@@ -390,6 +392,7 @@ class Batch:
             ):
                 new.add(sent.owners[slot])
             steady.update(sent.owners[d.slot] for d in step.decodes)
+        steady.update(s.seq for s in self.slots if s.seq and s.seq.decoding and s.seq.output_ids)
         return next(iter(new)) if len(new) == 1 and steady - new else None
 
     def on_fault(self, *, hung: bool, unseen: Callable[[Sequence], bool]) -> None:
