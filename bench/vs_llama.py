@@ -274,7 +274,7 @@ def measure_both(args, baseline, mashbox, probe) -> tuple[dict, dict, list[dict]
     round measures every stream count, then cold first tokens; the order of the two flips
     every round, and each begins with a read of the memory bandwidth (`probe`) while both
     sleep. Returns each server's medians, each round's paired ratios, and each round's
-    (bandwidth, {"base": 1-stream rate, "mash": 1-stream rate}) for the roofline."""
+    ({buffer: read rate}, {"base": 1-stream rate, "mash": 1-stream rate}) for the roofline."""
     servers = {"base": baseline, "mash": mashbox}
     for url, extra in servers.values():
         trio.run(decode_http.gather_streams, url, 1, 8, extra)  # warm-up
@@ -285,7 +285,7 @@ def measure_both(args, baseline, mashbox, probe) -> tuple[dict, dict, list[dict]
     for i in range(args.rounds):
         order = ("base", "mash") if i % 2 == 0 else ("mash", "base")
         nonces = range(1 + i * args.ttft_runs, 1 + (i + 1) * args.ttft_runs)  # cold each time
-        bandwidth = probe.read()
+        bandwidth = probe.read()  # {buffer: bytes/s}
         for who in order:
             url, extra = servers[who]
             load[who].append(os.getloadavg()[0])
@@ -295,7 +295,8 @@ def measure_both(args, baseline, mashbox, probe) -> tuple[dict, dict, list[dict]
         got = round_ratios(last["base"], last["mash"])
         paired.append(got)
         ratios = ", ".join(f"{k}: {v:.2f}" for k, v in got.items())
-        print(f"  round {i + 1} ({bandwidth / 1e9:.1f} GB/s): ratios {ratios}", flush=True)
+        read = vs_llama_targets.reads(bandwidth)
+        print(f"  round {i + 1} ({read}): ratios {ratios}", flush=True)
         if 1 in args.streams:
             rates = {who: decode[who][-1][1]["total"] for who in servers}
             rooflines.append((bandwidth, rates))
@@ -476,6 +477,7 @@ def main() -> None:
           f"{args.rounds} rounds; client {args.client}")  # fmt: skip
     probe = vs_llama_targets.ReadProbe(args.threads)  # before the servers: 2 GiB, touched
     with llama_running(args, model) as baseline, mashbox_running(args) as (url, decode_bytes):
+        probe.also_step(decode_bytes)
         base, mash, paired, rooflines = measure_both(args, baseline, (url, {}), probe)
     print_table(args, base, mash)
     vs_llama_targets.print_targets(args.model, baseline_name(args), paired)
