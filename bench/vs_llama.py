@@ -285,7 +285,7 @@ def measure_both(args, baseline, mashbox, probe) -> tuple[dict, dict, list[dict]
     for i in range(args.rounds):
         order = ("base", "mash") if i % 2 == 0 else ("mash", "base")
         nonces = range(1 + i * args.ttft_runs, 1 + (i + 1) * args.ttft_runs)  # cold each time
-        bandwidth = probe.read()  # {buffer: bytes/s}
+        read_rates = probe.read()  # {buffer: bytes/s}
         for who in order:
             url, extra = servers[who]
             load[who].append(os.getloadavg()[0])
@@ -295,11 +295,11 @@ def measure_both(args, baseline, mashbox, probe) -> tuple[dict, dict, list[dict]
         got = round_ratios(last["base"], last["mash"])
         paired.append(got)
         ratios = ", ".join(f"{k}: {v:.2f}" for k, v in got.items())
-        read = vs_llama_targets.reads(bandwidth)
+        read = vs_llama_targets.reads(read_rates)
         print(f"  round {i + 1} ({read}): ratios {ratios}", flush=True)
         if 1 in args.streams:
             rates = {who: decode[who][-1][1]["total"] for who in servers}
-            rooflines.append((bandwidth, rates))
+            rooflines.append((read_rates, rates))
     out = {}
     for who, (url, extra) in servers.items():
         runs = ttft[who]
@@ -483,7 +483,7 @@ def main() -> None:
     vs_llama_targets.print_targets(args.model, baseline_name(args), paired)
     if rooflines:
         name = baseline_name(args)
-        rounds = [(bw, {name: r["base"], "mashbox": r["mash"]}) for bw, r in rooflines]
+        rounds = [(rr, {name: r["base"], "mashbox": r["mash"]}) for rr, r in rooflines]
         vs_llama_targets.print_roofline(decode_bytes, rounds)
 
 
