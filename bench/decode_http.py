@@ -2,8 +2,9 @@
 
 Starts `mashbox run` (the default model unless --model or --url is given), sends greedy
 streaming chat requests with ignore_eos so each stream decodes exactly --tokens tokens, and
-prints per-stream and total decode speed next to the machine's decode limit: memory
-bandwidth (measured here with a large tensor copy) over the bytes each step must read.
+prints per-stream and total decode speed next to the machine's decode limit: its read rate
+(the faster of memory's and of a buffer a step's size, which a cache may hold) over the bytes
+each step must read.
 Also the engine's time per step and the server's (everything else: HTTP, scheduler, IPC,
 detokenizing, SSE), from the server's metrics during steady decoding, and the longest wait
 any stream saw for a token after its first (a join's prefill shows there too). And, where it
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sse_client  # noqa: E402
+import vs_llama_targets  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
@@ -241,19 +243,13 @@ async def run_streams(url: str, n: int, tokens: int, server_pid: int | None = No
     }
 
 
-def memory_bandwidth_gbs() -> float:
-    """Copy bandwidth of this machine (read + write) in GB/s, best of a few runs."""
-    import torch
-
-    a = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.float32).fill_(1.0)
-    b = torch.empty_like(a)
-    best = 0.0
-    for _ in range(5):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        dt = time.perf_counter() - t0
-        best = max(best, 2 * a.numel() * 4 / dt / 1e9)
-    return best
+def read_rates(step_bytes: float) -> dict[str, float]:
+    """This machine's read rates (bytes/s) over memory and over a buffer of a step's bytes,
+    which a large cache may hold between steps (vs_llama_targets.ReadProbe); the faster
+    bounds a decode step."""
+    probe = vs_llama_targets.ReadProbe(os.cpu_count() or 1)
+    probe.also_step(int(step_bytes))
+    return probe.read()
 
 
 class EngineAlone:
@@ -283,10 +279,12 @@ class EngineAlone:
 async def main_async(args, url: str, server_pid: int | None = None, alone=None) -> None:
     card = httpx.get(url + "/v1/models").json()["data"][0]
     print(f"model {card['id']}  weights {card['weights']}  bpw {card['bpw']}  gb {card['gb']}")
-    bw = memory_bandwidth_gbs()
     step_bytes = card.get("decode_gb", card["gb"]) * 1e9  # each decode step reads these once
-    limit = bw * 1e9 / step_bytes
-    print(f"memory bandwidth {bw:.1f} GB/s; weights read per step {step_bytes / 1e6:.0f} MB")
+    rates = read_rates(step_bytes)
+    limit = max(rates.values()) / step_bytes
+    print(
+        f"reads: {vs_llama_targets.reads(rates)}; weights read per step {step_bytes / 1e6:.0f} MB"
+    )
     print(f"decode limit: {limit:.1f} steps/s (one token per stream per step)")
     await run_streams(url, 1, 8)  # warm-up
     print(
