@@ -55,6 +55,15 @@ class ServerProcess:
         return self.url
 
     def wait_ready(self, timeout: float = 600) -> str:
+        """The server's URL once /health answers 200. One that never does is stopped, not
+        left running past its test (a helper that raised here leaked its server)."""
+        try:
+            return self._ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _ready(self, timeout: float) -> str:
         url = self.wait_listening(timeout)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
