@@ -169,15 +169,15 @@ void attend_block(const Task<T>& a, int64_t kh, int64_t r0, int64_t r1) {
         const f32x16 x = load(sv + t * width);
         return masked ? visible(x, splat(static_cast<float>(k0 + t)), lim, splat(-INFINITY)) : x;
       };
-      int64_t t = 0;
-      for (; t + 4 <= nk; t += 4)
-        for (int j = 0; j < 4; ++j) tops[j] = vmax(tops[j], seen(t + j));
-      for (; t < nk; ++t) tops[0] = vmax(tops[0], seen(t));
+      int64_t i = 0;
+      for (; i + 4 <= nk; i += 4)
+        for (int j = 0; j < 4; ++j) tops[j] = vmax(tops[j], seen(i + j));
+      for (; i < nk; ++i) tops[0] = vmax(tops[0], seen(i));
       const f32x16 new_top = vmax(vmax(top_v, tops[0]), vmax(vmax(tops[1], tops[2]), tops[3]));
       const f32x16 rescale = exp2_nonpositive(mul(sub(top_v, new_top), scale));
       const f32x16 shift = sub(zeros(), mul(new_top, scale));
       f32x16 total = mul(load(sum.data() + 16 * v), rescale);
-      for (int64_t t = 0; t < nk; ++t) {
+      for (int64_t t = 0; t < nk; ++t) {  // a hidden key's x may pass 0: visible() drops it
         f32x16 p = exp2_nonpositive(fmadd(load(sv + t * width), scale, shift));
         if (masked) p = visible(p, splat(static_cast<float>(k0 + t)), lim, zeros());
         store(sv + t * width, p);
