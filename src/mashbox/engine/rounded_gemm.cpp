@@ -275,8 +275,7 @@ static void rounded_gemm(const float* x, const uint8_t* qs, const S* scales, flo
                 tile_s = tile_scales<RECORD, S>(K, derived_m);
   // One row: int16 as bytes (rounded_block); several: whole (words_block), but for Q6, whose
   // groups of 16 would pay words_block's pair sums twice as often.
-  constexpr bool WORDS = INT16 && RECORD != Q6_RECORD;
-  constexpr bool Q6 = RECORD == Q6_RECORD;
+  constexpr bool Q6 = RECORD == Q6_RECORD, WORDS = INT16 && !Q6;
   const Rounded r = WORDS && M > 1 ? quantize_rows<32767, true>(x, M, K)
                                    : quantize_rows<INT16 ? 32767 : 127, false, Q6>(x, M, K);
   auto tile = [&](auto v_count, auto rows, int64_t t, int v0, int64_t m) {
@@ -292,13 +291,16 @@ static void rounded_gemm(const float* x, const uint8_t* qs, const S* scales, flo
   // Several rows as bytes: R rows x 2 vectors a block, each x broadcast shared by both (int16
   // as two bytes: two sums each, half the rows).
   constexpr int R = INT16 ? ACCUMULATORS / 4 : ACCUMULATORS / 2;
+  auto one_row = [&](int64_t t) {
+    tile(integral_constant<int, VPT>{}, integral_constant<int, 1>{}, t, 0, 0);
+  };
   over_tiles(
       M, tiles,
       [&](int64_t t) {
-        tile(integral_constant<int, VPT>{}, integral_constant<int, 1>{}, t, 0, 0);
-        tile(integral_constant<int, VPT>{}, integral_constant<int, 1>{}, t + 1, 0, 0);
+        one_row(t);
+        one_row(t + 1);
       },
-      [&](int64_t t) { tile(integral_constant<int, VPT>{}, integral_constant<int, 1>{}, t, 0, 0); },
+      one_row,
       [&](int64_t t) {
         int64_t m = 0;
         if constexpr (WORDS) {
