@@ -1,7 +1,8 @@
 // One process, two builds of the decode kernels side by side: this tree's (A) and another
 // commit's (B, its symbols renamed by kernel_ab.sh), taking turns over the same matrices, so
 // both see the same host. A model's layer matrices in its decode weights' kernels, random
-// blocks past the L3 cache, and its Q8_0 head, at M rows:
+// blocks, its Q8_0 head, and the two together (a whole step's matrices: on a host whose cache
+// holds each set alone but not both, the step is slower than its parts), at M rows:
 //
 //   bash bench/kernel_ab.sh HEAD~1 [THREADS [M [MODEL]]]
 //
@@ -21,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <random>
@@ -134,28 +136,37 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::mt19937 rng(0);
-  // The layers' matrices by kind, in the order a step reads them, and the head on its own.
-  std::map<Kind, std::vector<Matrix>> by_kind;
+  // The layers' matrices by kind, in the order a step reads them, the head on its own, and
+  // a whole step's matrices (every layer's, then the head): more bytes than each alone, which
+  // a cache may hold one at a time and not together.
+  std::deque<Matrix> matrices;  // a deque: push_back leaves the pointers below valid
+  std::map<Kind, std::vector<const Matrix*>> by_kind;
+  std::vector<const Matrix*> step;
   for (int layer = 0; layer < layers; ++layer)
-    for (const auto& s : layer_shapes)
-      by_kind[s.kind].push_back(random_matrix(rng, s.kind, s.n, s.k));
-  std::vector<std::pair<std::string, std::vector<Matrix>*>> sets;
-  for (auto& [kind, ms] : by_kind)
-    sets.emplace_back(std::to_string(ms.size()) + " layer matrices, " + KIND_NAMES[kind], &ms);
-  std::vector<Matrix> head;
-  head.push_back(random_matrix(rng, head_shape.kind, head_shape.n, head_shape.k));
+    for (const auto& s : layer_shapes) {
+      matrices.push_back(random_matrix(rng, s.kind, s.n, s.k));
+      by_kind[s.kind].push_back(&matrices.back());
+      step.push_back(&matrices.back());
+    }
+  std::vector<std::pair<std::string, std::vector<const Matrix*>>> sets;
+  for (const auto& [kind, ms] : by_kind)
+    sets.emplace_back(std::to_string(ms.size()) + " layer matrices, " + KIND_NAMES[kind], ms);
+  Matrix head = random_matrix(rng, head_shape.kind, head_shape.n, head_shape.k);
   sets.emplace_back("head " + std::to_string(head_shape.n) + " x " +
                         std::to_string(head_shape.k) + ", " + KIND_NAMES[head_shape.kind],
-                    &head);
+                    std::vector<const Matrix*>{&head});
+  step.push_back(&head);
+  sets.emplace_back("a step (the layers, then the head)", step);
   std::vector<float> x(M * 8192), y(M * head_shape.n), y2(M * head_shape.n);
   for (auto& v : x) v = std::uniform_real_distribution<float>(-1, 1)(rng);
 
   for (const auto& [name, ms] : sets)  // the same bits from both builds
-    for (const auto& m : *ms) {
-      gemm(m, false, x.data(), y.data(), M);
-      gemm(m, true, x.data(), y2.data(), M);
-      if (std::memcmp(y.data(), y2.data(), sizeof(float) * M * m.n)) {
-        std::printf("%s: A and B differ on a %ld x %ld matrix\n", KIND_NAMES[m.kind], m.n, m.k);
+    for (const Matrix* m : ms) {
+      gemm(*m, false, x.data(), y.data(), M);
+      gemm(*m, true, x.data(), y2.data(), M);
+      if (std::memcmp(y.data(), y2.data(), sizeof(float) * M * m->n)) {
+        std::printf("%s: A and B differ on a %ld x %ld matrix\n", KIND_NAMES[m->kind], m->n,
+                    m->k);
         return 1;
       }
     }
@@ -165,7 +176,7 @@ int main(int argc, char** argv) {
               at::get_num_threads(), M, model.c_str());
   for (const auto& [name, ms] : sets) {
     auto all = [&](bool b) {
-      for (const auto& m : *ms) gemm(m, b, x.data(), y.data(), M);
+      for (const Matrix* m : ms) gemm(*m, b, x.data(), y.data(), M);
     };
     std::vector<double> ratios;
     double best_a = 1e9, best_b = 1e9, plain = 1e9;
@@ -177,12 +188,12 @@ int main(int argc, char** argv) {
       ratios.push_back(ta / tb);
       best_a = std::min(best_a, ta), best_b = std::min(best_b, tb);
       plain = std::min(plain, best_of(2, [&] {
-                         for (const auto& m : *ms) plain_sum(m, y);
+                         for (const Matrix* m : ms) plain_sum(*m, y);
                        }));
     }
     std::sort(ratios.begin(), ratios.end());
     size_t total = 0, weights = 0;
-    for (const auto& m : *ms) total += m.qs.size + m.scales.size, weights += m.qs.size;
+    for (const Matrix* m : ms) total += m->qs.size + m->scales.size, weights += m->qs.size;
     const double gb = total / 1e9;
     std::printf("  %s (%.1f MB): %.3f (%.2f-%.2f); A %.3f ms (%.1f GB/s), B %.3f ms (%.1f "
                 "GB/s); plain sum %.1f GB/s\n",
