@@ -89,8 +89,9 @@ def print_roofline(decode_bytes: int, rounds: list[tuple[dict[str, float], dict[
     """Each round's limit at 1 stream (the faster of its reads / bytes a step) and each
     server's rate against it; the target is for the median of mashbox's shares."""
     print(f"\nroofline: one decode step reads {decode_bytes / 1e6:.1f} MB (the engine's "
-          "decode_bytes); the limit is the faster read before each round, of memory or of a "
-          "buffer of a step's bytes (a cache that holds them between steps)")  # fmt: skip
+          "decode_bytes); the limit is the faster read, just before or just after mashbox "
+          "decoded, of memory or of a buffer of a step's bytes (a cache that holds them "
+          "between steps)")  # fmt: skip
     shares = []
     for i, (rates_read, rates) in enumerate(rounds, 1):
         limit = max(rates_read.values()) / decode_bytes
