@@ -177,20 +177,23 @@ static inline f32x16 hsums(const f32x16 (&a)[16]) {  // lane i: hsum(a[i])
 }
 #endif
 
+// c[0] x^(N-1) + ... + c[N-1] by Horner's rule, one multiply-add a coefficient.
+template <int N>
+static inline f32x16 horner(f32x16 x, const float (&c)[N]) {
+  f32x16 p = splat(c[0]);
+  for (int i = 1; i < N; ++i) p = fmadd(p, x, splat(c[i]));
+  return p;
+}
+
 // e^x lane by lane: Cephes' expf polynomial (about 1 ulp), for softmax and SiLU.
 static inline f32x16 exp(f32x16 x) {
   x = vmin(vmax(x, splat(-88.3762626647949f)), splat(88.3762626647949f));
   const f32x16 n = round_down(fmadd(x, splat(1.44269504088896341f), splat(0.5f)));
   x = fnmadd(n, splat(0.693359375f), x);
   x = fnmadd(n, splat(-2.12194440e-4f), x);
-  f32x16 p = splat(1.9875691500E-4f);
-  p = fmadd(p, x, splat(1.3981999507E-3f));
-  p = fmadd(p, x, splat(8.3334519073E-3f));
-  p = fmadd(p, x, splat(4.1665795894E-2f));
-  p = fmadd(p, x, splat(1.6666665459E-1f));
-  p = fmadd(p, x, splat(5.0000001201E-1f));
-  p = add(fmadd(p, mul(x, x), x), splat(1.0f));
-  return mul(p, pow2(n));
+  const f32x16 p = horner(x, {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
+                              4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f});
+  return mul(add(fmadd(p, mul(x, x), x), splat(1.0f)), pow2(n));
 }
 static inline float exp(float x) { return first_lane(exp(splat(x))); }  // the same polynomial
 
@@ -201,13 +204,9 @@ static inline float exp(float x) { return first_lane(exp(splat(x))); }  // the s
 static inline f32x16 exp2_nonpositive(f32x16 x) {
   x = vmax(x, splat(-126.0f));
   const f32x16 n = round_nearest(x), f = sub(x, n);  // f exact, in [-0.5, 0.5]
-  f32x16 p = splat(1.5353362e-4f);
-  p = fmadd(p, f, splat(1.3398875e-3f));
-  p = fmadd(p, f, splat(9.6184369e-3f));
-  p = fmadd(p, f, splat(5.5503324e-2f));
-  p = fmadd(p, f, splat(2.4022648e-1f));
-  p = fmadd(p, f, splat(6.9314718e-1f));
-  return times_pow2(fmadd(p, f, splat(1.0f)), n);
+  return times_pow2(horner(f, {1.5353362e-4f, 1.3398875e-3f, 9.6184369e-3f, 5.5503324e-2f,
+                               2.4022648e-1f, 6.9314718e-1f, 1.0f}),
+                    n);
 }
 
 // n floats, 16 at a time (i the first, count 16 or fewer at the tail).
