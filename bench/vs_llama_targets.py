@@ -4,9 +4,10 @@ decode; mashbox's 1-stream rate is printed as a share of it.
 
 The bandwidth is a read of a buffer far larger than the caches, and one of a step's bytes
 (a large cache may hold those), summed by torch on the benchmark's threads (the engine's
-own count), best of several, the faster of the two taken before every round
-while both servers sleep: this host's reads move by tens of percent within minutes, so each
-round's 1-stream rate is set against the bandwidth of its own moment. This process is the
+own count), best of several, read just before and just after mashbox decodes while both
+servers sleep, the fastest of those the limit: this host's reads move by tens of percent
+within minutes, so each round's 1-stream rate is set against the bandwidth of its own
+moment. This process is the
 client, not the server, so torch may load here.
 """
 
