@@ -240,6 +240,7 @@ async def run_streams(url: str, n: int, tokens: int, server_pid: int | None = No
         "server_cpu_ms": (server1 - server0) / steps * 1000,
         "client_cpu_ms": (client1 - client0) / steps * 1000,
         "max_gap_ms": max(r["max_gap"] for r in results) * 1000,  # a stall any stream saw
+        "prompt_tokens": results[0]["usage"]["prompt_tokens"],
     }
 
 
@@ -254,25 +255,26 @@ def read_rates(step_bytes: float) -> dict[str, float]:
 
 class EngineAlone:
     """The server's engine in this process (no server, no HTTP): bench/step_profile.py's
-    setup, slots prefilled with 64 tokens, each timing at fresh positions."""
+    setup, its KV cache filled as far as `context` (random values: the API run's prompt and
+    answer, as far as speed goes), each timing at the positions the API run decoded at."""
 
-    def __init__(self, model: str, decode_weights: str, slots: int):
+    def __init__(self, model: str, decode_weights: str, slots: int, context: int):
         import step_profile
 
         from mashbox.registry import default_models_dir, known_models
 
         path = default_models_dir() / model / known_models()[model]["filename"]
-        self.engine = step_profile.prepare(path, decode_weights, slots)
-        self.position = len(step_profile.PROMPT)
+        self.engine = step_profile.prepare(path, decode_weights, slots, context)
 
-    def step_ms(self, batch: int, steps: int = 20) -> float:
-        """Median decode step at this batch size."""
+    def step_ms(self, batch: int, position: int, steps: int = 20) -> float:
+        """Median decode step at this batch size around this position: a step's attention
+        reads every position before it (at 1,000 SmolLM2's KV adds a quarter to its weights'
+        bytes), so the engine alone is timed where the API run's steps were, on average."""
         import statistics
 
         import step_profile
 
-        times = step_profile.time_steps(self.engine, batch, self.position, steps)
-        self.position += steps + 1
+        times = step_profile.time_steps(self.engine, batch, position - steps // 2, steps)
         return statistics.median(times) * 1e3
 
 
@@ -286,7 +288,8 @@ async def main_async(args, url: str, server_pid: int | None = None, alone=None) 
         f"reads: {vs_llama_targets.reads(rates)}; weights read per step {step_bytes / 1e6:.0f} MB"
     )
     print(f"decode limit: {limit:.1f} steps/s (one token per stream per step)")
-    await run_streams(url, 1, 8)  # warm-up
+    warm = await run_streams(url, 1, 8)
+    middle = warm["prompt_tokens"] + args.tokens // 2  # the API run's mean decode position
     print(
         f"{'streams':>7} {'tok/s/stream':>13} {'total tok/s':>12} {'vs 1 stream':>12} "
         f"{'steps/s of limit':>17} {'engine ms/step':>15} {'server ms/step':>15} {'max gap ms':>11}"
@@ -296,9 +299,9 @@ async def main_async(args, url: str, server_pid: int | None = None, alone=None) 
     for n in args.streams:
         # The engine alone just before and just after: the host's speed drifts by tens of
         # percent within minutes, so a comparison with a timing taken later means little.
-        before = alone.step_ms(n) if alone else None
+        before = alone.step_ms(n, middle) if alone else None
         r = await run_streams(url, n, args.tokens, server_pid)
-        after = alone.step_ms(n) if alone else None
+        after = alone.step_ms(n, middle) if alone else None
         base = base or r["total_wall"]
         cpu = ""
         if server_pid:
@@ -354,7 +357,9 @@ def main() -> None:
     alone = None
     if not args.no_engine_alone:
         kind = extra[extra.index("--decode-weights") + 1] if "--decode-weights" in extra else "auto"
-        alone = EngineAlone(args.model, kind, max(args.streams))
+        # Room for the prompt (the chat template's and the PROMPT's few dozen tokens) and the
+        # answer: the KV the API run's last steps read.
+        alone = EngineAlone(args.model, kind, max(args.streams), args.tokens + 256)
     proc = ServerProcess(
         args.model, "--slots", str(slots), "--ctx", "1024", *extra, log=args.server_log
     )
