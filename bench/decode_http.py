@@ -240,7 +240,7 @@ async def run_streams(url: str, n: int, tokens: int, server_pid: int | None = No
         "server_cpu_ms": (server1 - server0) / steps * 1000,
         "client_cpu_ms": (client1 - client0) / steps * 1000,
         "max_gap_ms": max(r["max_gap"] for r in results) * 1000,  # a stall any stream saw
-        "prompt_tokens": results[0]["usage"]["prompt_tokens"],
+        "prompt_tokens": results[0]["usage"].get("prompt_tokens", 0),  # sse_floor's: none
     }
 
 
