@@ -9,11 +9,13 @@
 //   bash bench/attention_ab.sh HEAD~1 2000 9 3 30        # SmolLM2's shape
 //
 // Prints the time ratio A / B (median of 20 alternations; below 1: A is faster), each side's
-// best, and its rate over the cache's bytes, after checking that both give the same bits.
+// best, and its rate over the cache's bytes, after checking that both give the same bits
+// (AB_BITS_MAY_DIFFER=1: go on where they do not, e.g. for a change of the chunks).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -64,8 +66,10 @@ int main(int argc, char** argv) {
   attend_all<decode_math::CacheAttention>(s, k, v, q.data(), out_a.data());
   attend_all<decode_math_b::CacheAttention>(s, k, v, q.data(), out_b.data());
   if (std::memcmp(out_a.data(), out_b.data(), sizeof(float) * q.size())) {
-    std::printf("A and B differ\n");
-    return 1;
+    float most = 0;
+    for (size_t i = 0; i < q.size(); ++i) most = std::max(most, std::abs(out_a[i] - out_b[i]));
+    std::printf("A and B differ, by up to %g\n", most);
+    if (!getenv("AB_BITS_MAY_DIFFER")) return 1;  // set where a change moves the roundings
   }
 
   std::vector<float> other(64 << 20, 1.0f);  // read between calls: the cache leaves L3
