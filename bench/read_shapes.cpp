@@ -8,8 +8,8 @@
 // bits a weight) and the 49,152 x 576 head (8.5 bits), 64 outputs a unit as the kernels'
 // tile pairs. Each round reads them (best of 10 each):
 //   calls      matrix by matrix, one ChunkPool::run each, as a decode step does
-//   +next 4K   the same; each thread, at the end of its share, asks for the first 4 KiB of
-//              its share of the next matrix (would the prefetcher's restart be the cost?)
+//   +next 4K   the same; the unit that ends each share asks for the first 4 KiB of that
+//              share of the next matrix (would the prefetcher's restart be the cost?)
 //   one call   every matrix's units in one ChunkPool::run (no hand-over or tail between them)
 //   streams    a buffer of the same size, each thread reading one half front to back
 #include <ATen/Parallel.h>
