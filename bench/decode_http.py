@@ -274,7 +274,7 @@ class EngineAlone:
 
         import step_profile
 
-        times = step_profile.time_steps(self.engine, batch, position - steps // 2, steps)
+        times = step_profile.time_steps(self.engine, batch, max(0, position - steps // 2), steps)
         return statistics.median(times) * 1e3
 
 
