@@ -8,6 +8,8 @@ from importlib import resources
 from pathlib import Path
 
 import httpx
+import jsonschema
+import pytest
 from openapi_spec_validator import OpenAPIV31SpecValidator, validate
 
 from mashbox.server.app import create_app
@@ -127,3 +129,59 @@ def test_the_document_holds_seed_000_route_by_route():
     assert seed_differences(ours, seed) == set(DELIBERATE)
     keys = "with `--api-key-file` or `MASHBOX_API_KEY`"
     assert keys in ours["info"]["description"] and "No API key is checked" not in json.dumps(ours)
+
+
+STREAMS = {  # each streaming route, a short request
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+    "/v1/completions": {"prompt": "The capital of", "max_tokens": 8},
+    "/v1/messages": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+    "/v1/responses": {"input": "Hi", "max_output_tokens": 8},
+}
+
+
+def sse_fields(body: str) -> list[dict[str, str]]:
+    """An SSE body's events as {field: value}, comments left out."""
+    events = []
+    for block in body.strip().split("\n\n"):
+        lines = [line for line in block.splitlines() if not line.startswith(":")]
+        fields = dict(line.partition(":")[::2] for line in lines)
+        if fields:
+            events.append({name: value.removeprefix(" ") for name, value in fields.items()})
+    return events
+
+
+def field_matches(schema: dict, value: str, doc: dict) -> bool:
+    """Whether an event's field matches its schema as a validator that reads
+    `contentMediaType` and `contentSchema` would (schemathesis does): JSON text whose
+    payload the content schema holds, or any branch of an anyOf."""
+    if "anyOf" in schema:
+        return any(field_matches(branch, value, doc) for branch in schema["anyOf"])
+    plain = {k: v for k, v in schema.items() if k not in ("contentMediaType", "contentSchema")}
+    if not jsonschema.Draft202012Validator(plain).is_valid(value):
+        return False
+    if schema.get("contentMediaType") != "application/json":
+        return True
+    try:
+        payload = json.loads(value)
+    except ValueError:
+        return False
+    content = {**schema["contentSchema"], "components": doc["components"]}
+    return jsonschema.Draft202012Validator(content).is_valid(payload)
+
+
+@pytest.mark.parametrize("path", sorted(STREAMS))
+def test_every_event_of_a_stream_matches_the_document(server, path):
+    """The event-stream schema each streaming route documents holds every event it sends,
+    the chat and completion streams' closing `data: [DONE]` included."""
+    doc = json.loads(SPECS.read_text(encoding="utf-8"))
+    event = doc["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]
+    fields = event["schema"]["properties"]
+    body = {"model": "tiny-llama.gguf", "stream": True, **STREAMS[path]}
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    events = sse_fields(r.text)
+    assert events
+    for sent in events:
+        for name, value in sent.items():
+            assert name in fields, (name, sent)
+            assert field_matches(fields[name], value, doc), (name, value)
