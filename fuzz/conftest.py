@@ -1,9 +1,11 @@
 """Fuzzing against a real `mashbox run` on a tiny model (see tests/ for the model builders).
 
 MASHBOX_FUZZ_EXAMPLES sets how hard each fuzzer works: small in the default test run, large
-in `nox -s fuzz`. MASHBOX_FUZZ_URL (`nox -s fuzz -- --url URL`) fuzzes a server already
-running instead, which must take the key and host name the fuzzers send, as `fuzz_server`
-starts its own: a key file holding `fuzz-key`, and `--allowed-host fuzz.example`.
+in `nox -s fuzz`. MASHBOX_FUZZ_SEED picks schemathesis's cases (the same ones every run by
+default; the hypothesis fuzzers draw new ones each run). MASHBOX_FUZZ_URL (`nox -s fuzz --
+--url URL`) fuzzes a server already running instead, which must take the key and host name
+the fuzzers send, as `fuzz_server` starts its own: a key file holding `fuzz-key`, and
+`--allowed-host fuzz.example`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from support.serverproc import serving  # noqa: E402
 from support.tinymodels import build_tiny_llama  # noqa: E402
 
 EXAMPLES = int(os.environ.get("MASHBOX_FUZZ_EXAMPLES", "15"))
+SEED = int(os.environ.get("MASHBOX_FUZZ_SEED", "20261130"))
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ALLOWED_HOST = "fuzz.example"

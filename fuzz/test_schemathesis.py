@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from conftest import AUTH, EXAMPLES
+from conftest import AUTH, EXAMPLES, SEED
 
 
 def test_schemathesis_finds_nothing(fuzz_server, tmp_path):
@@ -25,7 +25,7 @@ def test_schemathesis_finds_nothing(fuzz_server, tmp_path):
             str(cli), "run", fuzz_server.url + "/openapi.json",
             "--checks", "all",
             "--exclude-checks", "positive_data_acceptance,negative_data_rejection",
-            "--seed", "20261130",
+            "--seed", str(SEED),
             "--max-examples", str(EXAMPLES),
             "--request-timeout", "30",  # a hang is a failure
             "--max-failures", "20",
