@@ -401,7 +401,8 @@ static bool weigh_group_values(const float* p, const T* v, int64_t n, int64_t hd
   return false;
 }
 
-// The same for `heads` heads, H at a time while enough are left, then fewer.
+// weigh_values for `heads` heads (through a widened buffer where weigh_group_values does not
+// take them), H at a time while enough are left, then fewer.
 template <int HB, int H, typename T>
 static void weigh_values_of(const float* p, const T* v, int64_t u0, int64_t u1, int64_t hd,
                             int64_t heads, float* o, int64_t o_stride) {
