@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <mutex>
 #include <thread>
+#include <utility>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -28,6 +29,19 @@ class ChunkPool {
     return *pool;
   }
 
+  // The bytes the job after the next run() will read: unit u of that job reads
+  // unit_bytes[s] from base[s] + u * unit_bytes[s] in each stream s (a matrix's weights and
+  // its scales), and thread i takes units [units * i / threads, units * (i + 1) / threads)
+  // first, as run() shares them. A thread with nothing left of the next run()'s job asks for
+  // its share of these into its L2 while it waits: a decode step's memory otherwise idles
+  // through its matmuls' tails and the serial work between them.
+  struct Ahead {
+    const char* base[2] = {nullptr, nullptr};
+    int64_t unit_bytes[2] = {0, 0};
+    int64_t units = 0;
+  };
+  void ahead(const Ahead& next) { pending() = next; }  // for the calling thread's next run()
+
   // f(i) for every i in [0, n), `chunk` indices at a time, on the caller and up to `helpers`
   // helper threads. Runs on the caller alone where there is nothing to share, or where
   // another thread is using the pool.
@@ -36,6 +50,7 @@ class ChunkPool {
     if ((n + chunk - 1) / chunk >= LIMIT) chunk = (n + LIMIT - 2) / (LIMIT - 1);  // 16 bits
     const int64_t units = (n + chunk - 1) / chunk;
     helpers = static_cast<int>(std::min<int64_t>({helpers, MAX_THREADS - 1, units - 1}));
+    const Ahead next = std::exchange(pending(), Ahead{});
     if (helpers <= 0 || !busy_.try_lock()) {
       for (int64_t i = 0; i < n; ++i) f(i);
       return;
@@ -46,6 +61,11 @@ class ChunkPool {
     n_.store(n, std::memory_order_relaxed);
     chunk_.store(chunk, std::memory_order_relaxed);
     threads_.store(helpers + 1, std::memory_order_relaxed);
+    for (int s = 0; s < 2; ++s) {
+      job_ahead_.base[s].store(next.base[s], std::memory_order_relaxed);
+      job_ahead_.unit_bytes[s].store(next.unit_bytes[s], std::memory_order_relaxed);
+    }
+    job_ahead_.units.store(next.units, std::memory_order_relaxed);
     const uint32_t job = generation_.load(std::memory_order_relaxed) + 1;
     // Thread i's own share: units [units * i / threads, units * (i + 1) / threads).
     for (int i = 0; i <= helpers; ++i) {
@@ -56,7 +76,8 @@ class ChunkPool {
     generation_.store(job);  // seq_cst, against a helper's going to sleep (helper())
     if (sleeping_.load() > 0) generation_.notify_all();
     work(job, 0);
-    while (done(helpers + 1) < units) pause();  // only chunks in flight
+    for (Prefetch p(next, 0, helpers + 1, shares_[0]); done(helpers + 1) < units;)
+      if (!p.step()) pause();  // only chunks in flight
     busy_.unlock();
   }
 
@@ -126,10 +147,14 @@ class ChunkPool {
   // then asleep, so that between steps the core is the server's.
   void helper(int index) {
     uint32_t seen = generation_.load();
+    Ahead next;
+    int threads = 1;
     for (;;) {
       auto spin_until = std::chrono::steady_clock::now() + SPIN;
       uint32_t job;
+      Prefetch p(next, index + 1, threads, shares_[index + 1]);
       for (int spins = 0; (job = generation_.load()) == seen; ++spins) {
+        if (p.step()) continue;
         if (spins % 64 || std::chrono::steady_clock::now() < spin_until) {
           pause();
           continue;
@@ -140,9 +165,79 @@ class ChunkPool {
         spin_until = std::chrono::steady_clock::now() + SPIN;
       }
       seen = job;
-      if (index + 1 < threads_.load(std::memory_order_relaxed)) work(job, index + 1);
+      threads = threads_.load(std::memory_order_relaxed);
+      next = job_ahead();
+      // Read while the caller may be writing the next job's: checked, but a torn read can
+      // still slip through. Harmless: a prefetch never faults, and only costs a wasted line.
+      if (generation_.load() != job) next = Ahead{};
+      if (index + 1 < threads) work(job, index + 1);
     }
   }
+
+  static Ahead& pending() {  // each calling thread's own, for its next run()
+    static thread_local Ahead next;
+    return next;
+  }
+
+  Ahead job_ahead() const {
+    Ahead a;
+    for (int s = 0; s < 2; ++s) {
+      a.base[s] = job_ahead_.base[s].load(std::memory_order_relaxed);
+      a.unit_bytes[s] = job_ahead_.unit_bytes[s].load(std::memory_order_relaxed);
+    }
+    a.units = job_ahead_.units.load(std::memory_order_relaxed);
+    return a;
+  }
+
+  struct Share {  // a thread's units left and done, each on a cache line of its own
+    alignas(64) std::atomic<uint64_t> word{0};
+    alignas(64) std::atomic<int64_t> done{0};
+    alignas(64) const char* ahead_at = nullptr;  // the owner's own: Prefetch's progress
+    int64_t ahead_done = 0;
+  };
+
+  // A thread's share of an Ahead, asked for a few lines at a time between its checks for
+  // work. Where it got to is kept on the thread's Share: the same bytes named again by the
+  // next job (the attention's, before the matrix after it) are not asked for twice.
+  class Prefetch {
+   public:
+    Prefetch(const Ahead& a, int self, int threads, Share& share) : share_(share) {
+      if (!a.units || !a.base[0]) return;
+      const int64_t first = a.units * self / threads, end = a.units * (self + 1) / threads;
+      for (int s = 0; s < 2; ++s) {
+        at_[s] = a.base[s] ? a.base[s] + first * a.unit_bytes[s] : nullptr;
+        bytes_[s] = a.base[s] ? (end - first) * a.unit_bytes[s] : 0;
+      }
+      if (share_.ahead_at != at_[0]) share_.ahead_at = at_[0], share_.ahead_done = 0;
+      limit_ = std::min<int64_t>(bytes_[0], AHEAD_BYTES);
+    }
+    // Asks for the next few lines; false once the share (or AHEAD_BYTES of it) is asked for.
+    bool step() {
+      int64_t& done = share_.ahead_done;
+      if (done >= limit_) return false;
+      const int64_t stop = std::min<int64_t>(done + AHEAD_STEP, limit_);
+      for (int64_t at = done; at < stop; at += 64) touch(at_[0] + at);
+      // The scales in proportion: a line of them for every bytes_[0] / bytes_[1] of weights.
+      if (bytes_[1]) {
+        const int64_t from = done * bytes_[1] / bytes_[0], to = stop * bytes_[1] / bytes_[0];
+        for (int64_t at = from & ~int64_t{63}; at < to; at += 64) touch(at_[1] + at);
+      }
+      done = stop;
+      return true;
+    }
+
+   private:
+    static void touch(const char* p) {
+#if defined(__x86_64__)
+      _mm_prefetch(p, _MM_HINT_T1);
+#else
+      __builtin_prefetch(p, 0, 2);
+#endif
+    }
+    Share& share_;
+    const char* at_[2] = {nullptr, nullptr};
+    int64_t bytes_[2] = {0, 0}, limit_ = 0;
+  };
 
   static void pause() {
 #if defined(__x86_64__)
@@ -153,12 +248,11 @@ class ChunkPool {
   }
 
   static constexpr std::chrono::microseconds SPIN{100};
+  // An Ahead's share asked for at most (an L2 holds it beside the current work), a few lines
+  // between checks for work.
+  static constexpr int64_t AHEAD_BYTES = 512 << 10, AHEAD_STEP = 512;
   static constexpr int MAX_THREADS = 64;
   static constexpr int64_t LIMIT = int64_t{1} << 16;  // units a job: 16 bits in a share
-  struct Share {  // a thread's units left and done, each on a cache line of its own
-    alignas(64) std::atomic<uint64_t> word{0};
-    alignas(64) std::atomic<int64_t> done{0};
-  };
   Share shares_[MAX_THREADS];
   alignas(64) std::mutex busy_;  // one caller at a time
   // The job, on a line no helper polls: written next to `generation_`, which the helpers
@@ -167,6 +261,11 @@ class ChunkPool {
   // still costs ~0.9 us over its work on the AVX-512 host: the job's number going to the
   // helper and its last unit's `done` coming back, ~140 ns a trip between its two cores.
   alignas(64) std::atomic<int> threads_{0};
+  struct {
+    std::atomic<const char*> base[2];
+    std::atomic<int64_t> unit_bytes[2];
+    std::atomic<int64_t> units;
+  } job_ahead_{};
   std::atomic<int64_t> n_{0}, chunk_{1};
   std::atomic<const void*> f_{nullptr};
   std::atomic<Call> call_{nullptr};

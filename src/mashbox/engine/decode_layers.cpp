@@ -2,6 +2,7 @@
 #include "decode_math.h"
 
 #include <cmath>
+#include <optional>
 #include <vector>
 
 using decode_math::add_into;
@@ -32,6 +33,18 @@ struct Mat {
   bool q6() const { return q4() && a.size(2) == Q6_RECORD; }
   int64_t n() const { return int8() ? b.size(0) : a.size(0) * 32; }
   int64_t k() const { return q4() ? a.size(1) * 8 : int8() ? a.size(1) : a.size(1) * 2; }
+  // What a call with `rows` rows reads, unit by unit as over_tiles hands them out (a pair of
+  // tiles for one row, a tile for several); each tensor holds its tiles one after another.
+  ChunkPool::Ahead ahead(int64_t rows) const {
+    const int64_t tiles = n() / TILE_LANES, per = rows == 1 ? 2 : 1;
+    ChunkPool::Ahead next;
+    next.base[0] = static_cast<const char*>(a.data_ptr());
+    next.base[1] = static_cast<const char*>(b.data_ptr());
+    next.unit_bytes[0] = a.nbytes() / tiles * per;
+    next.unit_bytes[1] = b.nbytes() / tiles * per;
+    next.units = tiles / per;
+    return next;
+  }
   void operator()(const float* x, float* y, int64_t rows) const {
     if (int8()) {
       int8_gemm(x, a.data_ptr<int8_t>(), b.data_ptr<float>(), y, rows, k(), n());
@@ -93,9 +106,12 @@ class DecodeStack {
   // Each layer: attn_norm, wqkv (2 tensors), bqkv, q_norm, k_norm, wo (2), ffn_norm,
   // gate_up (2), down (2), each matrix int8, Q4 or Q8_0 (Mat); empty tensors where absent.
   // q4_activation_bits: what the Q4 and Q5 matrices multiply (32: float32, 16, 8).
+  // head: the output matrix's two tensors where it is a decode weight the caller runs next
+  // (each step's idle threads then ask for its first bytes), or none.
   DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, torch::Tensor final_norm,
               torch::Tensor cos, torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
-              int64_t head_dim, double eps, int64_t q4_activation_bits)
+              int64_t head_dim, double eps, int64_t q4_activation_bits,
+              const std::vector<torch::Tensor>& head)
       : final_norm_(final_norm), cos_(cos), sin_(sin), n_heads_(n_heads),
         n_kv_heads_(n_kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)) {
     TORCH_CHECK(head_dim % 8 == 0 && cos.size(1) * 2 == head_dim);
@@ -107,6 +123,8 @@ class DecodeStack {
       layers_.push_back({t[0], t[3], t[4], t[5], t[8], {t[1], t[2], bits}, {t[6], t[7], bits},
                          {t[9], t[10], bits}, {t[11], t[12], bits}});
     }
+    TORCH_CHECK(head.empty() || head.size() == 2, "the head: two tensors or none");
+    if (head.size() == 2) head_ = Mat{head[0], head[1], bits};
   }
 
   // x: [B, d_model] embeddings; positions and slots: int64 [B]; caches: float32 or float16
@@ -150,10 +168,13 @@ class DecodeStack {
     decode_math::CacheAttention attention(nh, nkv, hd);
     std::vector<const T*> k_rows(B), v_rows(B);
 
+    // Each pooled call names the matrix after it, for threads left waiting (ChunkPool::ahead).
+    ChunkPool& pool = ChunkPool::get();
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& w = layers_[l];
       for (int64_t b = 0; b < B; ++b)
         rms_norm(xs + b * D, w.attn_norm.data_ptr<float>(), h.data() + b * D, D, eps_);
+      pool.ahead(w.wo.ahead(B));
       w.wqkv(h.data(), qkv.data(), B);
       const float* bias = data_or_null(w.bqkv);
       const float* qn = data_or_null(w.q_norm);
@@ -179,24 +200,34 @@ class DecodeStack {
         k_rows[b] = kc + l * layer_stride + slot[b] * row_stride;
         v_rows[b] = vc + l * layer_stride + slot[b] * row_stride;
       }
+      pool.ahead(w.wo.ahead(B));
       attention(B, qkv.data(), n_qkv, k_rows.data(), v_rows.data(), ctx * hd, lengths.data(),
                 att.data());
+      pool.ahead(w.gate_up.ahead(B));
       w.wo(att.data(), y.data(), B);
       add_into(xs, y.data(), B * D);
       for (int64_t b = 0; b < B; ++b)
         rms_norm(xs + b * D, w.ffn_norm.data_ptr<float>(), h.data() + b * D, D, eps_);
+      pool.ahead(w.down.ahead(B));
       w.gate_up(h.data(), gu.data(), B);
       for (int64_t b = 0; b < B; ++b) silu_mul(gu.data() + b * 2 * ffn, act.data() + b * ffn, ffn);
+      if (l + 1 < layers_.size())
+        pool.ahead(layers_[l + 1].wqkv.ahead(B));
+      else if (head_)
+        pool.ahead(head_->ahead(B));
       w.down(act.data(), y.data(), B);
       add_into(xs, y.data(), B * D);
     }
     auto out = torch::empty_like(x);
     for (int64_t b = 0; b < B; ++b)
       rms_norm(xs + b * D, final_norm_.data_ptr<float>(), out.data_ptr<float>() + b * D, D, eps_);
+    // For the head's call, which comes next: the next step's first matrix.
+    if (head_) pool.ahead(layers_[0].wqkv.ahead(B));
     return out;
   }
 
   std::vector<Layer> layers_;
+  std::optional<Mat> head_;
   torch::Tensor final_norm_, cos_, sin_;
   int64_t n_heads_, n_kv_heads_, head_dim_;
   float eps_;
@@ -233,6 +264,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())
       .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, torch::Tensor,
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double,
-                          int64_t>())
+                          int64_t, const std::vector<torch::Tensor>&>())
       .def("forward", &DecodeStack::forward);
 }

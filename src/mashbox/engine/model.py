@@ -166,9 +166,12 @@ class Model:
             + [*w["w_gate_up"].decode_tensors, *w["w_down"].decode_tensors]
             for w in self.layers
         ]
+        # The head, run next by `logits`: each step's idle threads ask for its first bytes.
+        head = self.lm_head
+        head = list(head.decode_tensors) if isinstance(head, DecodeWeight) and head.kernel else []
         return cpu_kernels.load().DecodeStack(
             layers, self.final_norm, self.cos, self.sin,
-            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, bits,
+            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, bits, head,
         )  # fmt: skip
 
     @property
