@@ -13,7 +13,12 @@ from mashbox.engine import cpu_kernels, kernel_build
 from mashbox.engine.engine import Engine
 from mashbox.engine.int4 import Int4Weight
 from mashbox.engine.q8_weight import Q8Weight
-from support.decode_steps import PROMPTS, decode_with_caches, prefill
+from support.decode_steps import (
+    PROMPTS,
+    assert_one_call_is_two,
+    decode_with_caches,
+    prefill,
+)
 from support.tinymodels import no_tokenizer, random_weights, write_gguf
 
 LACKS = kernel_build.machine_lacks()  # anywhere else, no kernels fails the tests below
@@ -106,6 +111,12 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch(engine):
     for i, slot in enumerate([2, 0, 3]):
         alone, _, _ = decode_with_caches(engine, [slot], fused=True)
         assert torch.equal(alone[:, 0], batch[:, i]), slot
+
+
+def test_the_stack_and_its_head_in_one_call_give_the_same_bits(engine):
+    """What an engine step calls (`decode_logits`: the embedding, the stack and the head in
+    one call into the kernels) against `decode`, then `logits`."""
+    assert_one_call_is_two(engine, [3, 0, 2], [11, 23, 5])
 
 
 LONG = 3000  # positions: several of the attention's chunks (decode_math.h's ATTENTION_CHUNK)

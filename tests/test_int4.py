@@ -13,7 +13,14 @@ from mashbox.engine.engine import Engine
 from mashbox.engine.int4 import EXACT_QTYPES, Int4Weight, unpack
 from mashbox.engine.int8_weight import Int8Weight
 from mashbox.engine.model import DECODE_MATRICES
-from support.decode_steps import STEPS, TEXT_PROMPTS, greedy_logits
+from mashbox.engine.q8_weight import Q8Weight
+from support.decode_steps import (
+    STEPS,
+    TEXT_PROMPTS,
+    assert_one_call_is_two,
+    greedy_logits,
+    prefill,
+)
 from support.tinymodels import no_tokenizer, random_weights, write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -134,6 +141,16 @@ def test_real_q4_1_blocks_load_exactly(real):
                 Int4Weight(ref, blocks, dtype=torch.float32, ours=False).dequantized(), ref
             )
         assert_bf16_bound(Int4Weight(ref, blocks, ours=False), ref, blocks)
+
+
+def test_real_head_in_the_stacks_call_gives_the_same_bits(real):
+    """The default model's Q8_0 head, run by the decode stack's own call (`decode_logits`, an
+    engine step's) and by `Model.logits` after `decode`: the same bits."""
+    engine = Engine(real, slots=4, ctx=128, decode_weights="int4a16")
+    assert isinstance(engine.model.lm_head, Q8Weight)
+    prefill(engine)
+    assert_one_call_is_two(engine, [3, 0, 2], [11, 23, 5])
+    assert_one_call_is_two(engine, [2], [42])
 
 
 @pytest.mark.slow

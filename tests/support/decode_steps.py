@@ -36,6 +36,28 @@ def decode_with_caches(engine, slots: list[int], fused: bool, prompts: dict = PR
         cache.v.copy_(saved[1])
 
 
+@torch.inference_mode()
+def assert_one_call_is_two(engine, slots: list[int], tokens: list[int]) -> None:
+    """One step of prefilled `slots` fed `tokens`: the logits of `decode_logits` (what an
+    engine step calls) have the bits of `decode`, then `logits`; the caches are left as
+    they were."""
+    model, cache = engine.model, engine.cache
+    assert model.fused_rows >= len(slots)
+    positions = [len(PROMPTS[s]) for s in slots]
+    saved = cache.k.clone(), cache.v.clone()
+    try:
+        one = model.decode_logits(cache, slots, tokens, positions)
+        cache.k.copy_(saved[0])
+        cache.v.copy_(saved[1])
+        hidden = model.decode(cache, slots, torch.tensor(tokens), torch.tensor(positions))
+        two = model.logits(hidden)
+    finally:
+        cache.k.copy_(saved[0])
+        cache.v.copy_(saved[1])
+    assert one.dtype == torch.float32 and one.shape == (len(slots), engine.cfg.vocab_size)
+    assert torch.equal(one, two)
+
+
 def decode(engine, slots: list[int], fused: bool) -> torch.Tensor:
     """The hidden states of decode_with_caches alone."""
     return decode_with_caches(engine, slots, fused)[0]

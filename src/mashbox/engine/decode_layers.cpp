@@ -1,6 +1,7 @@
 #include "cpu_kernels.h"
 #include "decode_math.h"
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -34,10 +35,12 @@ struct Mat {
   int64_t n() const { return int8() ? b.size(0) : a.size(0) * 32; }
   int64_t k() const { return q4() ? a.size(1) * 8 : int8() ? a.size(1) : a.size(1) * 2; }
   // What a call with `rows` rows reads, unit by unit as over_tiles hands them out (a pair of
-  // tiles for one row, a tile for several); each tensor holds its tiles one after another.
+  // tiles for one row, a tile for several); each tensor holds its tiles one after another
+  // (int8's scales, one a row, near enough).
   ChunkPool::Ahead ahead(int64_t rows) const {
-    const int64_t tiles = n() / TILE_LANES, per = rows == 1 ? 2 : 1;
+    const int64_t tiles = a.size(0), per = rows == 1 ? 2 : 1;
     ChunkPool::Ahead next;
+    if (tiles < per) return next;
     next.base[0] = static_cast<const char*>(a.data_ptr());
     next.base[1] = static_cast<const char*>(b.data_ptr());
     next.unit_bytes[0] = a.nbytes() / tiles * per;
@@ -106,13 +109,14 @@ class DecodeStack {
   // Each layer: attn_norm, wqkv (2 tensors), bqkv, q_norm, k_norm, wo (2), ffn_norm,
   // gate_up (2), down (2), each matrix int8, Q4 or Q8_0 (Mat); empty tensors where absent.
   // q4_activation_bits: what the Q4 and Q5 matrices multiply (32: float32, 16, 8).
-  // head: the output matrix's two tensors where it is a decode weight the caller runs next
-  // (each step's idle threads then ask for its first bytes), or none.
+  // embed: the float32 embedding table [vocab, d_model] (`logits` reads its rows). head: the
+  // output matrix's two tensors where it is a decode weight, with what its activations are
+  // rounded to (`logits` runs it; each step's idle threads ask for its first bytes), or none.
   DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, torch::Tensor final_norm,
               torch::Tensor cos, torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
-              int64_t head_dim, double eps, int64_t q4_activation_bits,
-              const std::vector<torch::Tensor>& head)
-      : final_norm_(final_norm), cos_(cos), sin_(sin), n_heads_(n_heads),
+              int64_t head_dim, double eps, int64_t q4_activation_bits, torch::Tensor embed,
+              const std::vector<torch::Tensor>& head, int64_t head_activation_bits)
+      : embed_(embed), final_norm_(final_norm), cos_(cos), sin_(sin), n_heads_(n_heads),
         n_kv_heads_(n_kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)) {
     TORCH_CHECK(head_dim % 8 == 0 && cos.size(1) * 2 == head_dim);
     TORCH_CHECK(q4_activation_bits == 8 || q4_activation_bits == 16 || q4_activation_bits == 32);
@@ -123,8 +127,30 @@ class DecodeStack {
       layers_.push_back({t[0], t[3], t[4], t[5], t[8], {t[1], t[2], bits}, {t[6], t[7], bits},
                          {t[9], t[10], bits}, {t[11], t[12], bits}});
     }
+    TORCH_CHECK(embed.dtype() == torch::kFloat && embed.dim() == 2 && embed.is_contiguous());
     TORCH_CHECK(head.empty() || head.size() == 2, "the head: two tensors or none");
-    if (head.size() == 2) head_ = Mat{head[0], head[1], bits};
+    if (head.size() == 2) head_ = Mat{head[0], head[1], head_activation_bits};
+  }
+
+  // From token ids to float32 logits [B, vocab] in one call: the embedding's rows, forward,
+  // then the head, with the bits of `forward` and then the head's own call (Model.logits).
+  // From Python the same took five torch ops more a step, each 20-40 us while a step's
+  // weights have just swept the caches (docs/performance.md, stop 38).
+  torch::Tensor logits(const std::vector<int64_t>& tokens, const std::vector<int64_t>& positions,
+                       const std::vector<int64_t>& slots, torch::Tensor cache_k,
+                       torch::Tensor cache_v) {
+    TORCH_CHECK(head_, "this stack has no head");
+    const int64_t B = static_cast<int64_t>(tokens.size()), D = embed_.size(1);
+    TORCH_CHECK(B > 0 && positions.size() == tokens.size() && slots.size() == tokens.size());
+    auto x = torch::empty({B, D});
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(tokens[b] >= 0 && tokens[b] < embed_.size(0), "token id out of range");
+      std::copy_n(embed_.data_ptr<float>() + tokens[b] * D, D, x.data_ptr<float>() + b * D);
+    }
+    const auto h = forward(x, torch::tensor(positions), torch::tensor(slots), cache_k, cache_v);
+    auto y = torch::empty({B, head_->n()});
+    (*head_)(h.data_ptr<float>(), y.data_ptr<float>(), B);
+    return y;
   }
 
   // x: [B, d_model] embeddings; positions and slots: int64 [B]; caches: float32 or float16
@@ -228,7 +254,7 @@ class DecodeStack {
 
   std::vector<Layer> layers_;
   std::optional<Mat> head_;
-  torch::Tensor final_norm_, cos_, sin_;
+  torch::Tensor embed_, final_norm_, cos_, sin_;
   int64_t n_heads_, n_kv_heads_, head_dim_;
   float eps_;
 };
@@ -264,6 +290,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())
       .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, torch::Tensor,
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double,
-                          int64_t, const std::vector<torch::Tensor>&>())
-      .def("forward", &DecodeStack::forward);
+                          int64_t, torch::Tensor, const std::vector<torch::Tensor>&, int64_t>())
+      .def("forward", &DecodeStack::forward)
+      .def("logits", &DecodeStack::logits);
 }

@@ -141,6 +141,10 @@ class PlainDecoder:
         """Feed one token per slot; return hidden states [len(slots), d_model]."""
         return self.model.decode(self.cache, slots, token_ids, positions)
 
+    def logits(self, slots: list[int], token_ids: list[int], positions: list[int]):
+        """Feed one token per slot; return float32 logits [len(slots), vocab]."""
+        return self.model.decode_logits(self.cache, slots, token_ids, positions)
+
 
 class Engine:
     """Owns every tensor; knows nothing of requests, text or time limits."""
@@ -280,9 +284,8 @@ class Engine:
                 embeddings[p.slot] = tuple((mean / mean.norm().clamp_min(1e-12)).tolist())
         if step.decodes:
             slots = [d.slot for d in step.decodes]
-            ids = torch.tensor([self._input(d) for d in step.decodes], device=self.device)
-            positions = torch.tensor([d.position for d in step.decodes], device=self.device)
-            logits = self.model.logits(self.decoder.decode(slots, ids, positions))
+            ids = [self._input(d) for d in step.decodes]
+            logits = self.decoder.logits(slots, ids, [d.position for d in step.decodes])
             finite = finite_rows(logits)
             plain = [
                 r

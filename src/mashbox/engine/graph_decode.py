@@ -176,6 +176,12 @@ class GraphDecoder:
         batch, length = self.bucket(len(slots), longest)
         return self._run(batch, length, slots, token_ids, positions, eager=eager)
 
+    def logits(self, slots: list[int], token_ids: list[int], positions: list[int]) -> Tensor:
+        """Feed one token per slot; return float32 logits [len(slots), vocab]."""
+        device = self.model.device
+        ids, at = (torch.tensor(v, device=device) for v in (token_ids, positions))
+        return self.model.logits(self.decode(slots, ids, at))
+
     def _run(self, batch: int, length: int, slots, token_ids, positions, *, eager=False):
         inputs = self.inputs[batch]
         inputs.fill(slots, token_ids, positions)

@@ -141,6 +141,7 @@ class Model:
         """The whole decode step as one call into the CPU kernels, where every layer matrix
         is a decode weight on mashbox's kernels and activations are float32; None otherwise."""
         cfg, mats = self.cfg, ("wqkv", "wo", "w_gate_up", "w_down")
+        self.fused_rows = 0  # up to how many rows `decode_logits` takes the stack's own head
         usable = (
             self.device.type == "cpu"
             and self.dtype == torch.float32
@@ -166,12 +167,14 @@ class Model:
             + [*w["w_gate_up"].decode_tensors, *w["w_down"].decode_tensors]
             for w in self.layers
         ]
-        # The head, run next by `logits`: each step's idle threads ask for its first bytes.
-        head = self.lm_head
-        head = list(head.decode_tensors) if isinstance(head, DecodeWeight) and head.kernel else []
+        # The head where the kernels run it: the stack's `logits` runs it after the layers.
+        head = self.lm_head if isinstance(self.lm_head, DecodeWeight) else None
+        head = head if head is not None and head.kernel is not None else None
+        self.fused_rows = min(INT8_MAX_ROWS, head.max_rows) if head is not None else 0
         return cpu_kernels.load().DecodeStack(
             layers, self.final_norm, self.cos, self.sin,
-            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, bits, head,
+            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, bits, self.embed,
+            list(head.decode_tensors) if head else [], head.activation_bits if head else 32,
         )  # fmt: skip
 
     @property
@@ -271,6 +274,19 @@ class Model:
 
         token_ids = torch.cat([ids for _, _, ids in chunks])
         return self.forward(token_ids, torch.cat(positions), attend)
+
+    def decode_logits(
+        self, cache: KVCache, slots: list[int], token_ids: list[int], positions: list[int]
+    ) -> Tensor:
+        """Feed one token per slot; return float32 logits [len(slots), vocab]: the stack and
+        the head in one call where both run on the kernels (the same bits as `decode`, then
+        `logits`), else those two."""
+        if len(slots) <= self.fused_rows:
+            return self.decode_stack.logits(token_ids, positions, slots, cache.k, cache.v)
+        ids = torch.tensor(token_ids, device=self.device)
+        return self.logits(
+            self.decode(cache, slots, ids, torch.tensor(positions, device=self.device))
+        )
 
     def decode(self, cache: KVCache, slots: list[int], token_ids: Tensor, positions: Tensor):
         """Feed one token per slot (a batch); return hidden states [len(slots), d_model]."""
