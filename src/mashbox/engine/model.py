@@ -281,7 +281,7 @@ class Model:
         """Feed one token per slot; return float32 logits [len(slots), vocab]: the stack and
         the head in one call where both run on the kernels (the same bits as `decode`, then
         `logits`), else those two."""
-        if len(slots) <= self.fused_rows:
+        if self.decode_stack is not None and len(slots) <= self.fused_rows:
             return self.decode_stack.logits(token_ids, positions, slots, cache.k, cache.v)
         ids = torch.tensor(token_ids, device=self.device)
         return self.logits(
