@@ -128,6 +128,9 @@ class Model:
             head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
             self.lm_head = decode_weight_for(self.lm_head, [blocks.get(head)], decode_weights)
         self.decode_stack = self._decode_stack()
+        # Up to how many rows `decode_logits` runs the head inside the stack's own call.
+        head = self._kernel_head() if self.decode_stack is not None else None
+        self.fused_rows = min(INT8_MAX_ROWS, head.max_rows) if head is not None else 0
         # A prefill chunk's attention as one call into the CPU kernels where the model
         # computes in float32 on the CPU, its cache float32 or float16 (prefill_attention.cpp:
         # 2-3x torch's flash kernel here).
@@ -141,7 +144,6 @@ class Model:
         """The whole decode step as one call into the CPU kernels, where every layer matrix
         is a decode weight on mashbox's kernels and activations are float32; None otherwise."""
         cfg, mats = self.cfg, ("wqkv", "wo", "w_gate_up", "w_down")
-        self.fused_rows = 0  # up to how many rows `decode_logits` takes the stack's own head
         usable = (
             self.device.type == "cpu"
             and self.dtype == torch.float32
@@ -167,15 +169,17 @@ class Model:
             + [*w["w_gate_up"].decode_tensors, *w["w_down"].decode_tensors]
             for w in self.layers
         ]
-        # The head where the kernels run it: the stack's `logits` runs it after the layers.
-        head = self.lm_head if isinstance(self.lm_head, DecodeWeight) else None
-        head = head if head is not None and head.kernel is not None else None
-        self.fused_rows = min(INT8_MAX_ROWS, head.max_rows) if head is not None else 0
+        head = self._kernel_head()  # the stack's `logits` runs it after the layers
         return cpu_kernels.load().DecodeStack(
             layers, self.final_norm, self.cos, self.sin,
             cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, bits, self.embed,
             list(head.decode_tensors) if head else [], head.activation_bits if head else 32,
         )  # fmt: skip
+
+    def _kernel_head(self) -> DecodeWeight | None:
+        """The output matrix where it is a decode weight on mashbox's kernels."""
+        head = self.lm_head
+        return head if isinstance(head, DecodeWeight) and head.kernel is not None else None
 
     @property
     def decode_kind(self) -> str:
