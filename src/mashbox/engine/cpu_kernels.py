@@ -13,8 +13,8 @@
   integer dot products (int8 ones, VNNI where there is: int16 activations as two bytes).
   These also read the K-quants' scales as stored (`pack_k_scales`), and `q6a16` Q6_K's
   blocks as stored (`pack_q6`: 6-bit q, int8 sc per 16, fp16 d per 256).
-- `decode_layers.cpp`: `DecodeStack`, a whole decode step (every layer) in one call, with
-  no torch op dispatch per norm, RoPE or residual.
+- `decode_layers.cpp`: `DecodeStack`, a whole decode step (the embedding's rows, every
+  layer, the head) in one call, with no torch op dispatch per norm, RoPE or residual.
 
 Built once per machine by `mashbox kernels` (scripts/setup.sh runs it) down a ladder of
 compiler targets (`kernel_build.py`): the first that compiles and passes `self_check` is
