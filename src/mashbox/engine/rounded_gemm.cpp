@@ -19,12 +19,35 @@ static constexpr int64_t TILE = TILE_LANES, BLOCK = 32;
 // ~256x finer, near float32) split into bytes, xq = 256 * high + low with high signed and low
 // unsigned, so that both take int8 dot products (dot4). dx and xs = dx * sum(xq) per block.
 // (The Q8 blocks' int8 weights are signed: they take int16 xq whole, two to a lane.)
+template <typename T>
+struct Rows {  // one of Rounded's arrays, in the calling thread's Scratch
+  T* p = nullptr;
+  T* data() const { return p; }
+  T& operator[](int64_t i) const { return p[i]; }
+};
 struct Rounded {
-  std::vector<int8_t> high;     // int8 xq, or int16 xq's high bytes [rows, K]
-  std::vector<uint8_t> low;     // int16 xq's low bytes (empty for int8)
-  std::vector<int16_t> whole;   // or int16 xq whole (WHOLE), and no bytes
-  std::vector<float> dx, xs;    // [rows, K / 32]
-  std::vector<int32_t> sums16;  // xq's sums per 16 [rows, K / 16], for Q6 blocks alone
+  Rows<int8_t> high;     // int8 xq, or int16 xq's high bytes [rows, K]
+  Rows<uint8_t> low;     // int16 xq's low bytes (none for int8)
+  Rows<int16_t> whole;   // or int16 xq whole (WHOLE), and no bytes
+  Rows<float> dx, xs;    // [rows, K / 32]
+  Rows<int32_t> sums16;  // xq's sums per 16 [rows, K / 16], for Q6 blocks alone
+};
+
+// Where a thread's Rounded lives until its next call: a decode step rounds ~120 inputs, and
+// six fresh zeroed vectors each cost ~0.2 us (malloc, memset, free) of the caller's serial
+// time while its helper waits. A thread rounds one input at a time (a matmul's, read by the
+// pool while the caller waits for it); the arrays keep the largest chunk's size.
+struct Scratch {
+  std::vector<int8_t> high;
+  std::vector<uint8_t> low;
+  std::vector<int16_t> whole;
+  std::vector<float> dx, xs;
+  std::vector<int32_t> sums16;
+  template <typename T>
+  static Rows<T> take(std::vector<T>& room, int64_t n) {
+    if (static_cast<int64_t>(room.size()) < n) room.resize(n);
+    return {room.data()};
+  }
 };
 
 // x[rows, K] rounded to -LIMIT..LIMIT per block (to nearest even): 127 or 32767; SUMS16: also
@@ -32,9 +55,10 @@ struct Rounded {
 template <int LIMIT, bool WHOLE = false, bool SUMS16 = false>
 static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
   const int64_t blocks = rows * (K / BLOCK), bytes = WHOLE ? 0 : rows * K;
-  Rounded r{std::vector<int8_t>(bytes), std::vector<uint8_t>(LIMIT > 127 ? bytes : 0),
-            std::vector<int16_t>(WHOLE ? rows * K : 0), std::vector<float>(blocks),
-            std::vector<float>(blocks), std::vector<int32_t>(SUMS16 ? 2 * blocks : 0)};
+  static thread_local Scratch room;
+  Rounded r{Scratch::take(room.high, bytes), Scratch::take(room.low, LIMIT > 127 ? bytes : 0),
+            Scratch::take(room.whole, WHOLE ? rows * K : 0), Scratch::take(room.dx, blocks),
+            Scratch::take(room.xs, blocks), Scratch::take(room.sums16, SUMS16 ? 2 * blocks : 0)};
   for (int64_t i = 0; i < blocks; ++i) {
     const float* p = x + i * BLOCK;
 #if defined(__AVX512F__)
