@@ -438,7 +438,8 @@ static inline void q8a16_block(const Rounded& x, const int8_t* qs, const S* ds, 
     UNROLL for (int v = 0; v < V; ++v) {
       const vfloat d = load_scales(ds + vec_offset(v, tile_d) + b * TILE);
       UNROLL for (int j = 0; j < MB; ++j) {
-        const vfloat qx = vmul(to_float(sum[j][v]), vbroadcast(x.dx.data() + (m0 + j) * (K / BLOCK) + b * G / BLOCK));
+        const float* dx = x.dx.data() + (m0 + j) * (K / BLOCK) + b * G / BLOCK;
+        const vfloat qx = vmul(to_float(sum[j][v]), vbroadcast(dx));
         vstore(out[j] + v * LANES, vfma(d, qx, vload(out[j] + v * LANES)));
       }
     }
