@@ -28,7 +28,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sse_client  # noqa: E402
 
 
-def served_model(url: str) -> str:
+def ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health").status_code == 200
+    except httpx.TransportError:  # not listening yet
+        return False
+
+
+def served_model(url: str, wait_s: float = 600) -> str:
+    """The model `url` serves, once it is ready (a server still loading answers 503)."""
+    deadline = time.monotonic() + wait_s
+    while not ready(url):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not ready after {wait_s:.0f} s")
+        time.sleep(0.5)
     return httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
 
@@ -58,17 +71,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=40)
     args = parser.parse_args()
-    models = {url: served_model(url) for url in (args.a, args.b)}
-    times: dict[str, list[float]] = {args.a: [], args.b: []}
+    urls = {"A": args.a, "B": args.b}
+    models = {side: served_model(url) for side, url in urls.items()}
+    times: dict[str, list[float]] = {"A": [], "B": []}
     ratios = []
     for r in range(args.rounds):
-        for url in (args.a, args.b) if r % 2 == 0 else (args.b, args.a):
-            times[url].append(ms_per_token(url, models[url], args.tokens, r))
-        ratios.append(times[args.a][-1] / times[args.b][-1])
+        for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            times[side].append(ms_per_token(urls[side], models[side], args.tokens, r))
+        ratios.append(times["A"][-1] / times["B"][-1])
     q = statistics.quantiles(ratios, n=4)
     print(
-        f"A {statistics.median(times[args.a]):.3f} ms a token, "
-        f"B {statistics.median(times[args.b]):.3f}; A / B median {statistics.median(ratios):.3f}"
+        f"A {statistics.median(times['A']):.3f} ms a token, "
+        f"B {statistics.median(times['B']):.3f}; A / B median {statistics.median(ratios):.3f}"
         f" (quartiles {q[0]:.3f}-{q[2]:.3f}, {args.rounds} rounds of {args.tokens} tokens)"
     )
 
