@@ -19,6 +19,7 @@ import torch
 
 from mashbox import registry
 from mashbox.engine.engine import Engine
+from mashbox.engine.sampling import DecodeLogits
 from mashbox.protocol import PREVIOUS, Admit, Decode, Prefill, SamplingParams, Step
 
 
@@ -38,7 +39,7 @@ def main() -> None:
 
     def two_calls(slots, token_ids, positions):
         ids, at = torch.tensor(token_ids), torch.tensor(positions)
-        return model.logits(model.decode(engine.cache, slots, ids, at))
+        return DecodeLogits.of(model.logits(model.decode(engine.cache, slots, ids, at)))
 
     ways = {"one call": one_call, "decode, then logits": two_calls}
     medians: dict[str, list[float]] = {name: [] for name in ways}

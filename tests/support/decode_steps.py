@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from mashbox.engine.sampling import DecodeLogits
+
 PROMPTS = {0: [5, 17, 3, 88, 42, 7, 19], 2: [9, 8, 7], 3: list(range(20, 60))}
 FED = [11, 23, 5, 70, 2]  # tokens fed to every slot, one a step
 
@@ -39,8 +41,8 @@ def decode_with_caches(engine, slots: list[int], fused: bool, prompts: dict = PR
 @torch.inference_mode()
 def assert_one_call_is_two(engine, slots: list[int], tokens: list[int]) -> None:
     """One step of prefilled `slots` fed `tokens`: the logits of `decode_logits` (what an
-    engine step calls) have the bits of `decode`, then `logits`; the caches are left as
-    they were."""
+    engine step calls) have the bits of `decode`, then `logits`, and its greedy picks and
+    finiteness are numpy's (`DecodeLogits.of`); the caches are left as they were."""
     model, cache = engine.model, engine.cache
     assert model.fused_rows >= len(slots)
     positions = [len(PROMPTS[s]) for s in slots]
@@ -54,8 +56,10 @@ def assert_one_call_is_two(engine, slots: list[int], tokens: list[int]) -> None:
     finally:
         cache.k.copy_(saved[0])
         cache.v.copy_(saved[1])
-    assert one.dtype == torch.float32 and one.shape == (len(slots), engine.cfg.vocab_size)
-    assert torch.equal(one, two)
+    assert one.values.dtype == torch.float32
+    assert one.values.shape == (len(slots), engine.cfg.vocab_size)
+    assert torch.equal(one.values, two)
+    assert (one.best, one.finite) == DecodeLogits.of(two)[1:]
 
 
 def decode(engine, slots: list[int], fused: bool) -> torch.Tensor:

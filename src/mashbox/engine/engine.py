@@ -26,7 +26,7 @@ from . import weights as weights_mod
 from .grammar_mask import GrammarMasks, allowed
 from .kv_cache import KVCache
 from .model import Model
-from .sampling import apply_penalties, finite_rows, greedy, log_probs, sample
+from .sampling import apply_penalties, finite_rows, log_probs, sample
 
 log = logging.getLogger("mashbox.engine")
 
@@ -142,7 +142,8 @@ class PlainDecoder:
         return self.model.decode(self.cache, slots, token_ids, positions)
 
     def logits(self, slots: list[int], token_ids: list[int], positions: list[int]):
-        """Feed one token per slot; return float32 logits [len(slots), vocab]."""
+        """Feed one token per slot; return float32 logits [len(slots), vocab], each row's
+        greedy pick and finiteness (DecodeLogits)."""
         return self.model.decode_logits(self.cache, slots, token_ids, positions)
 
 
@@ -285,21 +286,14 @@ class Engine:
         if step.decodes:
             slots = [d.slot for d in step.decodes]
             ids = [self._input(d) for d in step.decodes]
-            logits = self.decoder.logits(slots, ids, [d.position for d in step.decodes])
-            finite = finite_rows(logits)
-            plain = [
-                r
-                for r, d in enumerate(step.decodes)
-                if finite[r] and self.slots[d.slot].plain_greedy
-            ]
-            rows = None if len(plain) == len(step.decodes) else plain
-            picks = dict(zip(plain, greedy(logits, rows), strict=True)) if plain else {}
+            out = self.decoder.logits(slots, ids, [d.position for d in step.decodes])
+            logits = out.values
             for row, d in enumerate(step.decodes):
-                if not finite[row]:
+                if not out.finite[row]:
                     self._overflowed(d.slot, nonfinite)
                     continue
-                if row in picks:
-                    tokens[d.slot] = self.slots[d.slot].last = picks[row]
+                if self.slots[d.slot].plain_greedy:
+                    tokens[d.slot] = self.slots[d.slot].last = out.best[row]
                 else:
                     tokens[d.slot] = self._sample(d.slot, logits[row], d.position + 1)
                 self._read_logprobs(d.slot, logits[row], tokens[d.slot], logprobs)

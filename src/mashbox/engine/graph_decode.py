@@ -24,6 +24,7 @@ from torch import Tensor
 
 from .kv_cache import KVCache
 from .model import Model
+from .sampling import DecodeLogits
 
 log = logging.getLogger("mashbox")
 
@@ -176,11 +177,12 @@ class GraphDecoder:
         batch, length = self.bucket(len(slots), longest)
         return self._run(batch, length, slots, token_ids, positions, eager=eager)
 
-    def logits(self, slots: list[int], token_ids: list[int], positions: list[int]) -> Tensor:
-        """Feed one token per slot; return float32 logits [len(slots), vocab]."""
+    def logits(self, slots: list[int], token_ids: list[int], positions: list[int]) -> DecodeLogits:
+        """Feed one token per slot; return float32 logits [len(slots), vocab], each row's
+        greedy pick and finiteness."""
         device = self.model.device
         ids, at = (torch.tensor(v, device=device) for v in (token_ids, positions))
-        return self.model.logits(self.decode(slots, ids, at))
+        return DecodeLogits.of(self.model.logits(self.decode(slots, ids, at)))
 
     def _run(self, batch: int, length: int, slots, token_ids, positions, *, eager=False):
         inputs = self.inputs[batch]

@@ -13,6 +13,7 @@ from .config import ModelConfig
 from .decode_weight import DecodeWeight, decode_weight_for, linear, most_compact_kind, nbytes
 from .int8_weight import INT8_MAX_ROWS
 from .kv_cache import KVCache
+from .sampling import DecodeLogits
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -281,16 +282,18 @@ class Model:
 
     def decode_logits(
         self, cache: KVCache, slots: list[int], token_ids: list[int], positions: list[int]
-    ) -> Tensor:
-        """Feed one token per slot; return float32 logits [len(slots), vocab]: the stack and
-        the head in one call where both run on the kernels (the same bits as `decode`, then
-        `logits`), else those two."""
+    ) -> DecodeLogits:
+        """Feed one token per slot; return float32 logits [len(slots), vocab] with each row's
+        greedy pick and finiteness: the stack and the head in one call where both run on the
+        kernels (the same bits as `decode`, then `logits`), else those two."""
         if self.decode_stack is not None and len(slots) <= self.fused_rows:
-            return self.decode_stack.logits(token_ids, positions, slots, cache.k, cache.v)
+            values, best, finite = self.decode_stack.logits(
+                token_ids, positions, slots, cache.k, cache.v
+            )
+            return DecodeLogits(values, best.tolist(), finite.tolist())
         ids = torch.tensor(token_ids, device=self.device)
-        return self.logits(
-            self.decode(cache, slots, ids, torch.tensor(positions, device=self.device))
-        )
+        hidden = self.decode(cache, slots, ids, torch.tensor(positions, device=self.device))
+        return DecodeLogits.of(self.logits(hidden))
 
     def decode(self, cache: KVCache, slots: list[int], token_ids: Tensor, positions: Tensor):
         """Feed one token per slot (a batch); return hidden states [len(slots), d_model]."""

@@ -7,6 +7,8 @@ request gives the same tokens in any slot, whatever else is in the batch.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -109,6 +111,20 @@ def greedy(logits: Tensor, rows: list[int] | None = None) -> list[int]:
         picked = logits.numpy() if rows is None else logits.numpy()[rows]
         return picked.argmax(-1).tolist()
     return (logits if rows is None else logits[rows]).argmax(-1).tolist()
+
+
+class DecodeLogits(NamedTuple):
+    """A decode step's float32 logits [rows, vocab], with what every step reads of them: each
+    row's first largest logit's index (`greedy`) and whether the row is finite
+    (`finite_rows`). The decode stack computes both in its own call (Model.decode_logits)."""
+
+    values: Tensor
+    best: list[int]
+    finite: list[bool]
+
+    @classmethod
+    def of(cls, values: Tensor) -> DecodeLogits:
+        return cls(values, greedy(values), finite_rows(values))
 
 
 def sample(logits: Tensor, params: SamplingParams, position: int) -> int:
