@@ -178,10 +178,10 @@ class DecodeStack {
   // then the head, with the bits of `forward` and then the head's own call (Model.logits).
   // From Python the same took five torch ops more a step, each 20-40 us while a step's
   // weights have just swept the caches (docs/performance.md, stop 38). Also each row's first
-  // largest logit's index (int64 [B]) and whether the row is finite (bool [B]: no NaN, and
-  // its largest logit finite, as sampling.finite_rows): read here while the logits are in the
-  // caches, where numpy's max and argmax after a step took ~0.1 ms (stop 39).
-  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logits(
+  // largest logit's index and whether the row is finite (no NaN, and its largest logit
+  // finite, as sampling.finite_rows), as lists: read here while the logits are in the caches,
+  // where numpy's max and argmax after a step took ~0.1 ms (stop 39).
+  std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<bool>> logits(
       const std::vector<int64_t>& tokens, const std::vector<int64_t>& positions,
       const std::vector<int64_t>& slots, torch::Tensor cache_k, torch::Tensor cache_v) {
     TORCH_CHECK(head_, "this stack has no head");
@@ -196,12 +196,11 @@ class DecodeStack {
     const int64_t V = head_->n();
     auto y = torch::empty({B, V});
     (*head_)(h.data_ptr<float>(), y.data_ptr<float>(), B);
-    auto best = torch::empty({B}, torch::kLong);
-    auto finite = torch::empty({B}, torch::kBool);
+    std::vector<int64_t> best(B);
+    std::vector<bool> finite(B);
     for (int64_t b = 0; b < B; ++b) {
       const Best row = best_of(y.data_ptr<float>() + b * V, V);
-      best.data_ptr<int64_t>()[b] = row.index;
-      finite.data_ptr<bool>()[b] = row.finite;
+      best[b] = row.index, finite[b] = row.finite;
     }
     return {y, best, finite};
   }

@@ -287,10 +287,9 @@ class Model:
         greedy pick and finiteness: the stack and the head in one call where both run on the
         kernels (the same bits as `decode`, then `logits`), else those two."""
         if self.decode_stack is not None and len(slots) <= self.fused_rows:
-            values, best, finite = self.decode_stack.logits(
-                token_ids, positions, slots, cache.k, cache.v
+            return DecodeLogits(
+                *self.decode_stack.logits(token_ids, positions, slots, cache.k, cache.v)
             )
-            return DecodeLogits(values, best.tolist(), finite.tolist())
         ids = torch.tensor(token_ids, device=self.device)
         hidden = self.decode(cache, slots, ids, torch.tensor(positions, device=self.device))
         return DecodeLogits.of(self.logits(hidden))
