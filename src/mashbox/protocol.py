@@ -7,6 +7,7 @@ process and be restarted without the scheduler knowing anything about tensors.
 from __future__ import annotations
 
 import operator
+import pickle
 
 import attrs
 
@@ -25,6 +26,13 @@ def message(cls):
 
     cls.__reduce__ = lambda self: (cls, values(self))
     return cls
+
+
+def send(conn, msg) -> None:
+    """`conn.send(msg)` (a multiprocessing Connection) with the plain pickler: the messages
+    carry no file descriptors, and multiprocessing's ForkingPickler copies its dispatch table
+    for every message, ~12 us of a cold step boundary that the engine waits through."""
+    conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
 
 
 @message

@@ -11,7 +11,7 @@ import attrs
 import trio
 
 from .engine.worker import worker_main
-from .protocol import EngineInfo, Shutdown, Step, StepResult, WorkerFailed
+from .protocol import EngineInfo, Shutdown, Step, StepResult, WorkerFailed, send
 
 
 class WorkerError(Exception):
@@ -92,7 +92,7 @@ class WorkerProcess:
         Only a step sent while another runs can wait here for pipe space: the scheduler
         sends such steps (decodes only) small."""
         try:
-            self._conn.send(step)
+            send(self._conn, step)
         except OSError as exc:
             raise WorkerError(f"worker pipe closed: {exc}") from exc
 
@@ -118,7 +118,7 @@ class WorkerProcess:
         """Ask the process to exit, then kill it if it has not within `grace` seconds."""
         if self._conn is not None:
             try:
-                self._conn.send(Shutdown())
+                send(self._conn, Shutdown())
             except OSError:
                 pass
             self._conn.close()

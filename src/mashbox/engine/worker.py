@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import select
 import traceback
 from pathlib import Path
 
 import attrs
 
 from ..heap import freeze_heap
-from ..protocol import Shutdown, Step, WorkerFailed
+from ..protocol import Shutdown, Step, WorkerFailed, send
 
 
 def worker_main(
@@ -53,15 +54,19 @@ def worker_main(
         )
         masks.grammars()  # before ready: no step waits for llguidance's view of the vocabulary
     except Exception as exc:
-        conn.send(WorkerFailed(f"cannot load {path}: {exc}"))
+        send(conn, WorkerFailed(f"cannot load {path}: {exc}"))
         return
     freeze_heap()
-    conn.send(engine.info)
+    send(conn, engine.info)
+    # Whether a message waits, asked of one poller: Connection.poll builds a selector each
+    # call, ~15 us against ~2 at every step boundary (stop 40).
+    waiting = select.poll()
+    waiting.register(conn.fileno(), select.POLLIN)
     held = None  # a message read early, while looking for a join
     while True:
         try:
             msg, held, joined = held or conn.recv(), None, False
-            if isinstance(msg, Step) and conn.poll():  # sent before this step started
+            if isinstance(msg, Step) and waiting.poll(0):  # sent before this step started
                 follow = conn.recv()
                 if isinstance(follow, Step) and follow.joins == msg.index:
                     msg, joined = msg.with_join(follow), True
@@ -75,7 +80,7 @@ def worker_main(
         try:
             faults.before_step(msg.index, (t for p in msg.prefills for t in p.token_ids))
             result = engine.step(msg)
-            conn.send(attrs.evolve(result, joined=True) if joined else result)
+            send(conn, attrs.evolve(result, joined=True) if joined else result)
         except Exception:
-            conn.send(WorkerFailed(traceback.format_exc(limit=8)))
+            send(conn, WorkerFailed(traceback.format_exc(limit=8)))
             os._exit(1)  # state may be half-written: the supervisor starts a fresh worker
