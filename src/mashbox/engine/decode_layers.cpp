@@ -187,15 +187,15 @@ class DecodeStack {
     TORCH_CHECK(head_, "this stack has no head");
     const int64_t B = static_cast<int64_t>(tokens.size()), D = embed_.size(1);
     TORCH_CHECK(B > 0 && positions.size() == tokens.size() && slots.size() == tokens.size());
-    auto x = torch::empty({B, D});
+    std::vector<float> x(B * D), h(B * D);
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(tokens[b] >= 0 && tokens[b] < embed_.size(0), "token id out of range");
-      std::copy_n(embed_.data_ptr<float>() + tokens[b] * D, D, x.data_ptr<float>() + b * D);
+      std::copy_n(embed_.data_ptr<float>() + tokens[b] * D, D, x.data() + b * D);
     }
-    const auto h = forward(x, torch::tensor(positions), torch::tensor(slots), cache_k, cache_v);
+    layers(x.data(), B, positions.data(), slots.data(), cache_k, cache_v, h.data());
     const int64_t V = head_->n();
     auto y = torch::empty({B, V});
-    (*head_)(h.data_ptr<float>(), y.data_ptr<float>(), B);
+    (*head_)(h.data(), y.data_ptr<float>(), B);
     std::vector<int64_t> best(B);
     std::vector<bool> finite(B);
     for (int64_t b = 0; b < B; ++b) {
@@ -210,29 +210,43 @@ class DecodeStack {
   // torch rounds them to float16) and returns the final-normed hidden states [B, d_model].
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots,
                         torch::Tensor cache_k, torch::Tensor cache_v) {
-    const auto kind = cache_k.scalar_type();
-    TORCH_CHECK(x.dtype() == torch::kFloat && (kind == torch::kFloat || kind == torch::kHalf) &&
-                cache_v.scalar_type() == kind && cache_k.is_contiguous() &&
-                cache_v.is_contiguous() && cache_k.size(4) == head_dim_);
-    if (kind == torch::kHalf)
-      return step(x, positions, slots, reinterpret_cast<uint16_t*>(cache_k.data_ptr<at::Half>()),
-                  reinterpret_cast<uint16_t*>(cache_v.data_ptr<at::Half>()), cache_k.sizes());
-    return step(x, positions, slots, cache_k.data_ptr<float>(), cache_v.data_ptr<float>(),
-                cache_k.sizes());
+    TORCH_CHECK(x.dtype() == torch::kFloat && x.dim() == 2 && x.size(1) == embed_.size(1));
+    TORCH_CHECK(positions.dtype() == torch::kLong && slots.dtype() == torch::kLong &&
+                positions.numel() == x.size(0) && slots.numel() == x.size(0));
+    x = x.contiguous().clone();  // the residual stream, written in place
+    positions = positions.contiguous(), slots = slots.contiguous();
+    auto out = torch::empty_like(x);
+    layers(x.data_ptr<float>(), x.size(0), positions.data_ptr<int64_t>(),
+           slots.data_ptr<int64_t>(), cache_k, cache_v, out.data_ptr<float>());
+    return out;
   }
 
  private:
-  // forward's step over caches of T: float, or uint16_t (float16 bits).
+  // The layers and the final norm over the B rows of xs (overwritten: the residual stream),
+  // into out [B, d_model], the caches float32 or float16. Pointers, not tensors: at batch 1
+  // each torch tensor made cost a few microseconds, most of them cache misses (stop 40).
+  void layers(float* xs, int64_t B, const int64_t* pos, const int64_t* slot,
+              const torch::Tensor& cache_k, const torch::Tensor& cache_v, float* out) {
+    const auto kind = cache_k.scalar_type();
+    TORCH_CHECK((kind == torch::kFloat || kind == torch::kHalf) &&
+                cache_v.scalar_type() == kind && cache_k.is_contiguous() &&
+                cache_v.is_contiguous() && cache_k.size(4) == head_dim_);
+    if (kind == torch::kHalf)
+      step(xs, B, pos, slot, reinterpret_cast<uint16_t*>(cache_k.data_ptr<at::Half>()),
+           reinterpret_cast<uint16_t*>(cache_v.data_ptr<at::Half>()), cache_k.sizes(), out);
+    else
+      step(xs, B, pos, slot, cache_k.data_ptr<float>(), cache_v.data_ptr<float>(),
+           cache_k.sizes(), out);
+  }
+
+  // layers' step over caches of T: float, or uint16_t (float16 bits).
   template <typename T>
-  torch::Tensor step(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, T* kc,
-                     T* vc, at::IntArrayRef cache_shape) {
-    x = x.contiguous().clone();
-    const int64_t B = x.size(0), D = x.size(1), hd = head_dim_, half = hd / 2;
+  void step(float* xs, int64_t B, const int64_t* pos, const int64_t* slot, T* kc, T* vc,
+            at::IntArrayRef cache_shape, float* out) {
+    const int64_t D = embed_.size(1), hd = head_dim_, half = hd / 2;
     const int64_t nh = n_heads_, nkv = n_kv_heads_;
     const int64_t n_slots = cache_shape[1], ctx = cache_shape[3];
     const int64_t row_stride = nkv * ctx * hd, layer_stride = n_slots * row_stride;
-    const int64_t* pos = positions.data_ptr<int64_t>();
-    const int64_t* slot = slots.data_ptr<int64_t>();
     std::vector<int64_t> lengths(B);  // the positions each row attends over
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(pos[b] >= 0 && pos[b] < ctx && pos[b] < cos_.size(0) && slot[b] >= 0 &&
@@ -242,7 +256,6 @@ class DecodeStack {
     const int64_t n_qkv = layers_[0].wqkv.n(), ffn = layers_[0].down.k();
     std::vector<float> h(B * D), qkv(B * n_qkv), att(B * nh * hd), gu(B * 2 * ffn), act(B * ffn),
         y(B * D);
-    float* xs = x.data_ptr<float>();
     decode_math::CacheAttention attention(nh, nkv, hd);
     std::vector<const T*> k_rows(B), v_rows(B);
 
@@ -296,12 +309,10 @@ class DecodeStack {
       w.down(act.data(), y.data(), B);
       add_into(xs, y.data(), B * D);
     }
-    auto out = torch::empty_like(x);
     for (int64_t b = 0; b < B; ++b)
-      rms_norm(xs + b * D, final_norm_.data_ptr<float>(), out.data_ptr<float>() + b * D, D, eps_);
+      rms_norm(xs + b * D, final_norm_.data_ptr<float>(), out + b * D, D, eps_);
     // For the head's call, which comes next: the next step's first matrix.
     if (head_) pool.ahead(layers_[0].wqkv.ahead(B));
-    return out;
   }
 
   std::vector<Layer> layers_;
