@@ -8,7 +8,7 @@
 // changes its bits.
 #pragma once
 
-#include <unistd.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
@@ -136,9 +136,10 @@ class ChunkPool {
     return sum;
   }
 
-  // Helpers are detached: a forked child has none of them, and starts its own.
+  // Helpers are detached: a forked child has none of them, and starts its own (told so by
+  // pthread_atfork: getpid() at every call was a system call, ~60 ns hot, 151 times a step).
+  ChunkPool() { pthread_atfork(nullptr, nullptr, [] { get().started_ = 0; }); }
   void start_helpers(int helpers) {
-    if (owner_ != getpid()) owner_ = getpid(), started_ = 0;
     for (; started_ < helpers; ++started_)
       std::thread([this, index = started_] { helper(index); }).detach();
   }
@@ -271,6 +272,5 @@ class ChunkPool {
   std::atomic<Call> call_{nullptr};
   alignas(64) std::atomic<uint32_t> generation_{0};  // the current job's number
   std::atomic<int> sleeping_{0};
-  pid_t owner_ = 0;
   int started_ = 0;
 };
