@@ -26,68 +26,84 @@ using decode_math::silu_mul;
 // float32 for the K-quants' groups of 32, or their scales as stored: uint8), Q6 blocks
 // (uint8 qs [.., 192] and scales: Q6_K's, always with int16 activations) or Q8 blocks (int8
 // qs; fp16 d per 32, or float32 per 16): blocks_gemm.cpp and rounded_gemm.cpp.
-struct Mat {
-  torch::Tensor a, b;
-  int64_t q4_activation_bits = 32;  // what Q4 and Q5 blocks multiply: float32, int16 or int8 x
-  // Where each tensor's tiles lie (ahead()), read once: torch's accessors cost ~0.3 us a
-  // call, ~40 us a step (perf).
-  int64_t tiles = a.size(0);
-  const char* base[2] = {static_cast<const char*>(a.data_ptr()),
-                         static_cast<const char*>(b.data_ptr())};
-  int64_t tile_bytes[2] = {a.nbytes() / std::max<int64_t>(tiles, 1),
-                           b.nbytes() / std::max<int64_t>(tiles, 1)};
-  bool q4() const { return a.scalar_type() == torch::kByte; }  // Q5 and Q6 too
-  bool int8() const { return !q4() && b.dim() == 1; }
-  bool q5() const { return q4() && a.size(2) == Q5_RECORD; }
-  bool q6() const { return q4() && a.size(2) == Q6_RECORD; }
-  int64_t n() const { return int8() ? b.size(0) : a.size(0) * 32; }
-  int64_t k() const { return q4() ? a.size(1) * 8 : int8() ? a.size(1) : a.size(1) * 2; }
+class Mat {
+ public:
+  // q4_activation_bits: what Q4 and Q5 blocks multiply (float32, int16 or int8 x).
+  Mat(torch::Tensor a, torch::Tensor b, int64_t q4_activation_bits)
+      : a_(a), b_(b), bits_(q4_activation_bits), tiles_(a.size(0)),
+        base_{static_cast<const char*>(a.data_ptr()), static_cast<const char*>(b.data_ptr())},
+        tile_bytes_{a.nbytes() / std::max<int64_t>(tiles_, 1),
+                    b.nbytes() / std::max<int64_t>(tiles_, 1)},
+        q4_(a.scalar_type() == torch::kByte), int8_(!q4_ && b.dim() == 1),
+        q5_(q4_ && a.size(2) == Q5_RECORD), q6_(q4_ && a.size(2) == Q6_RECORD),
+        scales_(b.scalar_type()), n_(int8_ ? b.size(0) : a.size(0) * 32),
+        k_(q4_ ? a.size(1) * 8 : int8_ ? a.size(1) : a.size(1) * 2),
+        derived_m_(q4_ && b.dim() >= 3 && b.size(2) == 1 ? (q5_ ? 16 : 8) : 0) {
+    TORCH_CHECK(scales_ == torch::kByte || scales_ == torch::kFloat || scales_ == torch::kHalf);
+    TORCH_CHECK(!int8_ || scales_ == torch::kFloat, "int8 weights take float32 scales");
+    TORCH_CHECK(!q6_ || scales_ == torch::kByte, "Q6 blocks take their scales as stored");
+  }
+
+  int64_t n() const { return n_; }
+  int64_t k() const { return k_; }
+
   // What a call with `rows` rows reads, unit by unit as over_tiles hands them out (a pair of
   // tiles for one row, a tile for several); each tensor holds its tiles one after another
   // (int8's scales, one a row, near enough).
   ChunkPool::Ahead ahead(int64_t rows) const {
     const int64_t per = rows == 1 ? 2 : 1;
     ChunkPool::Ahead next;
-    if (tiles < per) return next;
+    if (tiles_ < per) return next;
     for (int s = 0; s < 2; ++s) {
-      next.base[s] = base[s];
-      next.unit_bytes[s] = tile_bytes[s] * per;
+      next.base[s] = base_[s];
+      next.unit_bytes[s] = tile_bytes_[s] * per;
     }
-    next.units = tiles / per;
+    next.units = tiles_ / per;
     return next;
   }
+
+  // The kind, the pointers and the sizes were read from the tensors once: their accessors
+  // touch the tensors' cold headers, ~0.3 us a call, ~40 us a step (perf, stop 38).
   void operator()(const float* x, float* y, int64_t rows) const {
-    if (int8()) {
-      int8_gemm(x, a.data_ptr<int8_t>(), b.data_ptr<float>(), y, rows, k(), n());
+    const auto* qs8 = reinterpret_cast<const int8_t*>(base_[0]);
+    const auto* qs = reinterpret_cast<const uint8_t*>(base_[0]);
+    if (int8_) {
+      int8_gemm(x, qs8, scales<float>(), y, rows, k_, n_);
       return;
     }
-    if (q6()) {
-      q6a16_gemm(x, a.data_ptr<uint8_t>(), b.data_ptr<uint8_t>(), y, rows, k(), n());
+    if (q6_) {
+      q6a16_gemm(x, qs, scales<uint8_t>(), y, rows, k_, n_);
       return;
     }
-    if (b.scalar_type() == torch::kByte) {  // the K-quants' scales as stored
-      run_q4(x, b.data_ptr<uint8_t>(), y, rows);
+    if (scales_ == torch::kByte) {  // the K-quants' scales as stored
+      run_q4(x, scales<uint8_t>(), y, rows);
       return;
     }
-    if (b.scalar_type() == torch::kFloat) {
-      if (q4())
-        run_q4(x, b.data_ptr<float>(), y, rows);
+    if (scales_ == torch::kFloat) {
+      if (q4_)
+        run_q4(x, scales<float>(), y, rows);
       else
-        run_q8(x, b.data_ptr<float>(), y, rows);
+        run_q8(x, scales<float>(), y, rows);
       return;
     }
-    const auto* scales = reinterpret_cast<const uint16_t*>(b.data_ptr<at::Half>());
-    if (q4())
-      run_q4(x, scales, y, rows);
+    if (q4_)
+      run_q4(x, scales<uint16_t>(), y, rows);  // fp16 bits
     else
-      run_q8(x, scales, y, rows);
+      run_q8(x, scales<uint16_t>(), y, rows);
+  }
+
+ private:
+  template <typename S>
+  const S* scales() const {
+    return reinterpret_cast<const S*>(base_[1]);
   }
   template <typename S>  // Q8 blocks take int16 activations whenever Q4 rounds them
   void run_q8(const float* x, const S* scales, float* y, int64_t rows) const {
-    if (q4_activation_bits < 32)
-      q8a16_gemm(x, a.data_ptr<int8_t>(), scales, y, rows, k(), n());
+    const auto* qs = reinterpret_cast<const int8_t*>(base_[0]);
+    if (bits_ < 32)
+      q8a16_gemm(x, qs, scales, y, rows, k_, n_);
     else
-      q8_gemm(x, a.data_ptr<int8_t>(), scales, y, rows, k(), n());
+      q8_gemm(x, qs, scales, y, rows, k_, n_);
   }
   template <typename S>  // fp16 (uint16_t) or float32 d and m, or K-quants' (uint8_t)
   void run_q4(const float* x, const S* scales, float* y, int64_t rows) const {
@@ -95,16 +111,39 @@ struct Mat {
                           int64_t, int);
     Gemm four = nullptr, five = nullptr;
     if constexpr (!std::is_same_v<S, uint8_t>) four = q4_gemm, five = q5_gemm;
-    if (q4_activation_bits == 8) four = q4a8_gemm, five = q5a8_gemm;
-    if (q4_activation_bits == 16) four = q4a16_gemm, five = q5a16_gemm;
+    if (bits_ == 8) four = q4a8_gemm, five = q5a8_gemm;
+    if (bits_ == 16) four = q4a16_gemm, five = q5a16_gemm;
     TORCH_CHECK(four != nullptr, "the K-quants' scales as stored need rounded activations");
-    const int derived_m = b.size(2) == 1 ? (q5() ? 16 : 8) : 0;  // Q4_0 / Q5_0: d alone
-    (q5() ? five : four)(x, a.data_ptr<uint8_t>(), scales, y, rows, k(), n(), derived_m);
+    const auto* qs = reinterpret_cast<const uint8_t*>(base_[0]);
+    (q5_ ? five : four)(x, qs, scales, y, rows, k_, n_, derived_m_);  // Q4_0 / Q5_0: d alone
   }
+
+  torch::Tensor a_, b_;  // the weights and their scales, kept alive
+  int64_t bits_;
+  int64_t tiles_;
+  const char* base_[2];
+  int64_t tile_bytes_[2];
+  bool q4_, int8_, q5_, q6_;  // q4_: a GGUF's 4-, 5- or 6-bit blocks
+  torch::ScalarType scales_;
+  int64_t n_, k_;
+  int derived_m_;
 };
 
+static const float* data_or_null(const torch::Tensor& t) {
+  return t.numel() ? t.data_ptr<float>() : nullptr;
+}
+
+// A layer's matrices and vectors, their pointers read once (Mat).
 struct Layer {
-  torch::Tensor attn_norm, bqkv, q_norm, k_norm, ffn_norm;  // absent ones have no elements
+  // attn_norm, wqkv (2 tensors), bqkv, q_norm, k_norm, wo (2), ffn_norm, gate_up (2), down
+  // (2); empty tensors where absent.
+  Layer(const std::vector<torch::Tensor>& t, int64_t bits)
+      : tensors(t), attn_norm(data_or_null(t[0])), bqkv(data_or_null(t[3])),
+        q_norm(data_or_null(t[4])), k_norm(data_or_null(t[5])), ffn_norm(data_or_null(t[8])),
+        wqkv(t[1], t[2], bits), wo(t[6], t[7], bits), gate_up(t[9], t[10], bits),
+        down(t[11], t[12], bits) {}
+  std::vector<torch::Tensor> tensors;  // kept alive
+  const float *attn_norm, *bqkv, *q_norm, *k_norm, *ffn_norm;  // null where absent
   Mat wqkv, wo, gate_up, down;
 };
 
@@ -142,10 +181,6 @@ static Best best_of(const float* x, int64_t n) {
   return {0, true};  // not reached: top is one of x
 }
 
-static const float* data_or_null(const torch::Tensor& t) {
-  return t.numel() ? t.data_ptr<float>() : nullptr;
-}
-
 class DecodeStack {
  public:
   // Each layer: attn_norm, wqkv (2 tensors), bqkv, q_norm, k_norm, wo (2), ffn_norm,
@@ -166,10 +201,13 @@ class DecodeStack {
     for (const auto& t : layers) {
       TORCH_CHECK(t.size() == 13, "13 tensors a layer");
       for (const auto& x : t) TORCH_CHECK(x.is_contiguous() && x.device().is_cpu());
-      layers_.push_back({t[0], t[3], t[4], t[5], t[8], {t[1], t[2], bits}, {t[6], t[7], bits},
-                         {t[9], t[10], bits}, {t[11], t[12], bits}});
+      layers_.emplace_back(t, bits);
     }
     TORCH_CHECK(embed.dtype() == torch::kFloat && embed.dim() == 2 && embed.is_contiguous());
+    for (const auto& t : {final_norm, cos, sin})
+      TORCH_CHECK(t.dtype() == torch::kFloat && t.is_contiguous() && t.device().is_cpu());
+    embed_at_ = embed.data_ptr<float>(), final_norm_at_ = final_norm.data_ptr<float>();
+    cos_at_ = cos.data_ptr<float>(), sin_at_ = sin.data_ptr<float>();
     TORCH_CHECK(head.empty() || head.size() == 2, "the head: two tensors or none");
     if (head.size() == 2) head_ = Mat{head[0], head[1], head_activation_bits};
   }
@@ -190,7 +228,7 @@ class DecodeStack {
     std::vector<float> x(B * D), h(B * D);
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(tokens[b] >= 0 && tokens[b] < embed_.size(0), "token id out of range");
-      std::copy_n(embed_.data_ptr<float>() + tokens[b] * D, D, x.data() + b * D);
+      std::copy_n(embed_at_ + tokens[b] * D, D, x.data() + b * D);
     }
     layers(x.data(), B, positions.data(), slots.data(), cache_k, cache_v, h.data());
     const int64_t V = head_->n();
@@ -264,17 +302,15 @@ class DecodeStack {
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& w = layers_[l];
       for (int64_t b = 0; b < B; ++b)
-        rms_norm(xs + b * D, w.attn_norm.data_ptr<float>(), h.data() + b * D, D, eps_);
+        rms_norm(xs + b * D, w.attn_norm, h.data() + b * D, D, eps_);
       pool.ahead(w.wo.ahead(B));
       w.wqkv(h.data(), qkv.data(), B);
-      const float* bias = data_or_null(w.bqkv);
-      const float* qn = data_or_null(w.q_norm);
-      const float* kn = data_or_null(w.k_norm);
+      const float *bias = w.bqkv, *qn = w.q_norm, *kn = w.k_norm;
       for (int64_t b = 0; b < B; ++b) {
         float* r = qkv.data() + b * n_qkv;
         if (bias) add_into(r, bias, n_qkv);
-        const float* c = cos_.data_ptr<float>() + pos[b] * half;
-        const float* s = sin_.data_ptr<float>() + pos[b] * half;
+        const float* c = cos_at_ + pos[b] * half;
+        const float* s = sin_at_ + pos[b] * half;
         for (int64_t head = 0; head < nh + nkv; ++head) {  // q heads, then k heads
           float* x_head = r + head * hd;
           const float* norm = head < nh ? qn : kn;
@@ -298,7 +334,7 @@ class DecodeStack {
       w.wo(att.data(), y.data(), B);
       add_into(xs, y.data(), B * D);
       for (int64_t b = 0; b < B; ++b)
-        rms_norm(xs + b * D, w.ffn_norm.data_ptr<float>(), h.data() + b * D, D, eps_);
+        rms_norm(xs + b * D, w.ffn_norm, h.data() + b * D, D, eps_);
       pool.ahead(w.down.ahead(B));
       w.gate_up(h.data(), gu.data(), B);
       for (int64_t b = 0; b < B; ++b) silu_mul(gu.data() + b * 2 * ffn, act.data() + b * ffn, ffn);
@@ -310,7 +346,7 @@ class DecodeStack {
       add_into(xs, y.data(), B * D);
     }
     for (int64_t b = 0; b < B; ++b)
-      rms_norm(xs + b * D, final_norm_.data_ptr<float>(), out + b * D, D, eps_);
+      rms_norm(xs + b * D, final_norm_at_, out + b * D, D, eps_);
     // For the head's call, which comes next: the next step's first matrix.
     if (head_) pool.ahead(layers_[0].wqkv.ahead(B));
   }
@@ -318,6 +354,7 @@ class DecodeStack {
   std::vector<Layer> layers_;
   std::optional<Mat> head_;
   torch::Tensor embed_, final_norm_, cos_, sin_;
+  const float *embed_at_, *final_norm_at_, *cos_at_, *sin_at_;  // their data, read once
   int64_t n_heads_, n_kv_heads_, head_dim_;
   float eps_;
 };
