@@ -58,6 +58,12 @@ def worker_main(
         return
     freeze_heap()
     send(conn, engine.info)
+    with torch.inference_mode():  # once for every step (Engine.step)
+        _serve(conn, engine, faults)
+
+
+def _serve(conn, engine, faults) -> None:
+    """Answer `Step`s until `Shutdown` or the server goes away."""
     # Whether a message waits, asked of one poller: Connection.poll builds a selector each
     # call, ~15 us against ~2 at every step boundary (stop 40).
     waiting = select.poll()
