@@ -234,6 +234,7 @@ class DecodeStack {
     const int64_t V = head_->n();
     auto y = torch::empty({B, V});
     (*head_)(h.data(), y.data_ptr<float>(), B);
+    ChunkPool::get().rest();  // the step's last call: its result goes to the server next
     std::vector<int64_t> best(B);
     std::vector<bool> finite(B);
     for (int64_t b = 0; b < B; ++b) {
