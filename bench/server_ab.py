@@ -46,22 +46,26 @@ def served_model(url: str, wait_s: float = 600) -> str:
 
 
 def ms_per_token(url: str, model: str, tokens: int, seed: int) -> float:
-    """One greedy stream's time a token: its first content event to its last."""
+    """One greedy stream's time a token: its first content event to its last, over the
+    tokens after the first (the usage's count: an event may carry several tokens)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": f"Write about the sea ({seed})"}],
         "max_tokens": tokens,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "temperature": 0,
     }
-    times = []
+    times, generated = [], 0
     for event in sse_client.post_events(url, "/v1/chat/completions", body):
         if event.get("choices") and event["choices"][0]["delta"].get("content"):
             times.append(time.perf_counter())
-    if len(times) < 2:
-        raise RuntimeError(f"{url} streamed {len(times)} content events")
-    return (times[-1] - times[0]) / (len(times) - 1) * 1e3
+        if event.get("usage"):
+            generated = event["usage"]["completion_tokens"]
+    if len(times) < 2 or generated < 2:
+        raise RuntimeError(f"{url} streamed {len(times)} content events, {generated} tokens")
+    return (times[-1] - times[0]) / (generated - 1) * 1e3
 
 
 def main() -> None:

@@ -173,6 +173,61 @@ def test_decodes_planned_ahead_feed_back_the_previous_sample(tok):
     assert isinstance(seq.outbox[-1], Finished) and seq.outbox[-1].reason == "length"
 
 
+def runs(*tokens: dict[int, int]) -> StepResult:
+    """A repeated step's result: each run's sampled tokens, in order."""
+    first, *later = (StepResult(t, 0.001) for t in tokens)
+    return StepResult(first.tokens, 0.001, more=tuple(later))
+
+
+def test_a_repeated_step_runs_its_decodes_on_within_every_rows_limits(tok):
+    batch = Batch(tok, slots=2, ctx=64)
+    answer = tok.encode(" Paris is the capital of France, and")
+    long = queue(batch, tok.encode(PARIS), max_tokens=50)
+    short = queue(batch, tok.encode("Hello"), max_tokens=5)
+    batch.admit()
+    send(batch, batch.plan())
+    result(batch, {0: answer[0], 1: answer[0]})
+    n_long, n_short = len(long.request.prompt_ids), len(short.request.prompt_ids)
+    running = send(batch, batch.plan())
+    # Each row has one token known and one sampling: `short` may sample 3 more, so 3 runs.
+    ahead = send(batch, batch.plan_ahead(8), ahead=True)
+    assert ahead.repeat == 3
+    assert ahead.decodes == (Decode(0, PREVIOUS, n_long + 1), Decode(1, PREVIOUS, n_short + 1))
+    assert [d.position for d in ahead.run(2).decodes] == [n_long + 3, n_short + 3]
+    assert long.pending == short.pending == 4
+    result(batch, {0: answer[1], 1: answer[1]})
+    assert running.repeat == 1 and long.pending == 3
+    long.outbox.clear()  # delivered
+    done = runs(*({0: t, 1: t} for t in answer[2:5]))
+    batch.apply(batch.landed(done), done)
+    assert long.output_ids == short.output_ids == answer[:5]
+    assert long.pending == short.pending == 0
+    # The runs' text is one event, and the slot holds every token fed to it.
+    assert list(long.outbox) == [TextDelta(tok.decode(answer[2:5]), 3)]
+    assert batch.slots[0].tokens == [*long.request.prompt_ids, *answer[:4]]
+    assert short.done and short.outbox[-1].reason == "length"
+    # Alone, `long` repeats as asked; never past its context.
+    assert send(batch, batch.plan_ahead(8), ahead=True).repeat == 8
+    assert Batch(tok, slots=1, ctx=n_long + 3).plan_ahead(8) is None
+
+
+def test_a_row_that_ends_inside_a_repeated_step_wastes_the_runs_after_it(tok):
+    batch = Batch(tok, slots=1, ctx=64)
+    answer = tok.encode("Paris is the capital")
+    seq = started(batch, tok.encode(PARIS), answer[0])
+    send(batch, batch.plan())
+    assert send(batch, batch.plan_ahead(4), ahead=True).repeat == 4
+    result(batch, {0: answer[1]})
+    eog = min(tok.eog_ids)
+    done = runs({0: answer[2]}, {0: eog}, {0: 7}, {0: 8})
+    batch.apply(batch.landed(done), done)
+    assert seq.output_ids == [*answer[:3], eog] and seq.pending == 0
+    assert seq.done and batch.slots[0].seq is None
+    assert isinstance(seq.outbox[-1], Finished) and seq.outbox[-1].reason == "stop"
+    # What the slot is known to hold stops at the answer's end, not at the wasted runs.
+    assert batch.slots[0].tokens == [*seq.request.prompt_ids, *answer[:3]]
+
+
 def test_a_row_for_a_slot_freed_while_it_ran_is_wasted_and_ignored(tok):
     steps = Steps()
     batch = Batch(tok, slots=1, ctx=64, observer=steps)

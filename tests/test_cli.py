@@ -44,6 +44,12 @@ def test_a_negative_cache_ram_is_refused_naming_the_flag():
     assert "--cache-ram must be 0 (off) or more MiB" in result.stderr
 
 
+def test_a_negative_decode_burst_is_refused_naming_the_flag():
+    result = run_cli("run", "--decode-burst", "-5", "--port", "0")
+    assert result.returncode == 2
+    assert "--decode-burst must be 0 (one step at a time) or more ms" in result.stderr
+
+
 def test_missing_file(tmp_path):
     result = run_cli("run", str(tmp_path / "absent.gguf"), "--port", "0")
     assert result.returncode == 1

@@ -48,6 +48,8 @@ def test_protocol_messages_round_trip_through_pickle():
             decides=(p.Decide(2, 5, (branch,)),),
         ),
         p.StepResult({0: 5, 3: 9}, 0.01, {1: (0.5,)}, {2: (((-0.1, -2.0),),)}, 2, 1),
+        p.Step(8, decodes=(p.Decode(0, p.PREVIOUS, 4),), repeat=3),
+        p.StepResult({0: 5}, 0.01, more=(p.StepResult({0: 6}, 0.01),)),
         p.Shutdown(),
         p.WorkerFailed("boom"),
     ]

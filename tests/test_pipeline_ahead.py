@@ -15,7 +15,7 @@ import trio
 from mashbox.engine.engine import Engine
 from mashbox.events import Finished, Request, TextDelta
 from mashbox.protocol import SamplingParams
-from mashbox.scheduler import Scheduler
+from mashbox.scheduler import MAX_REPEAT, Scheduler
 from mashbox.text.stops import StopMatcher
 from mashbox.text.tokenizer import Detokenizer, Tokenizer
 from mashbox.worker_client import EngineLink, Supervisor, WorkerProcess
@@ -50,9 +50,13 @@ class Recorded(EngineLink):
         await self.supervisor.restart()
 
     def rows(self, seq) -> list[int]:
-        """The positions of every decode row sent for `seq`."""
+        """The positions of every decode row sent for `seq` (every run of a repeated step)."""
         return [
-            d.position for step, owners in self.sent for d in step.decodes if owners[d.slot] is seq
+            d.position
+            for step, owners in self.sent
+            for i in range(step.repeat)
+            for d in step.run(i).decodes
+            if owners[d.slot] is seq
         ]
 
 
@@ -67,14 +71,15 @@ def reference(tiny_llama) -> Engine:
 
 
 @contextlib.asynccontextmanager
-async def serving(tiny_llama, tok, slots: int):
-    """A scheduler stepping a real engine process (threads=1: the tests share the cores)."""
+async def serving(tiny_llama, tok, slots: int, decode_burst: float = 0.0):
+    """A scheduler stepping a real engine process (threads=1: the tests share the cores);
+    decode_burst: as `mashbox run --decode-burst`, in seconds."""
     supervisor = Supervisor(
         lambda: WorkerProcess(tiny_llama, slots=slots, ctx=512, device="cpu", threads=1)
     )
     await supervisor.start()
     link = Recorded(supervisor)
-    scheduler = Scheduler(tok, link, slots=slots, ctx=512)
+    scheduler = Scheduler(tok, link, slots=slots, ctx=512, decode_burst=decode_burst)
     link.scheduler = scheduler
     try:
         async with trio.open_nursery() as nursery:
@@ -114,11 +119,13 @@ async def answer(events) -> tuple[str, Finished]:
     return text, last
 
 
-async def test_answers_with_steps_ahead_are_the_answers_alone(tiny_llama, tok, reference):
+@pytest.mark.parametrize("burst", [0.0, 1.0], ids=["one-run-a-step", "repeated-steps"])
+async def test_answers_with_steps_ahead_are_the_answers_alone(tiny_llama, tok, reference, burst):
     """Seeded and greedy requests over two slots, ending at a stop string or at max_tokens:
     each answer is the reference's tokens up to exactly where it ends. A stop string found
-    one step late costs a row computed ahead, which is neither emitted nor counted; an
-    answer ending by length is never decoded past its end."""
+    one step late costs rows computed ahead, which are neither emitted nor counted; an
+    answer ending by length is never decoded past its end. So too where decode steps repeat
+    (`--decode-burst`: up to MAX_REPEAT runs a step on the tiny model)."""
     seeded, top_k = SamplingParams(0.8, seed=3), SamplingParams(1.0, top_k=20, seed=9)
     cases = []
     for i, (text, params) in enumerate(
@@ -131,10 +138,11 @@ async def test_answers_with_steps_ahead_are_the_answers_alone(tiny_llama, tok, r
             words = tok.decode(expected[12:20]).strip()
             stop = (words[: max(3, len(words) // 2)],)
         cases.append((Request(prompt, params, 30, stop=stop, ignore_eos=True), expected))
-    async with serving(tiny_llama, tok, slots=2) as (scheduler, link):
+    async with serving(tiny_llama, tok, slots=2, decode_burst=burst) as (scheduler, link):
         submitted = [scheduler.submit(r) for r, _ in cases]
         answers = [await answer(events) for events in submitted]
     assert any(len(step.decodes) and not step.prefills for step, _ in link.sent)
+    assert max(step.repeat for step, _ in link.sent) == (MAX_REPEAT if burst else 1)
     for events, (request, expected), (text, done) in zip(submitted, cases, answers, strict=True):
         seq, n_prompt = events.sequence, len(request.prompt_ids)
         if request.stop:  # ends with the token that completes the stop string

@@ -189,24 +189,29 @@ class Batch:
             return True
         return any(s.seq is not None and not s.seq.decoding for s in self.slots)
 
-    def plan_ahead(self) -> Step | None:
-        """The decodes of the step after the one in flight. A row whose token is still being
-        sampled feeds it back (PREVIOUS) one position on, unless that token ends the answer
-        for sure (max_tokens, context); an end of turn or a stop string costs one wasted row."""
+    def plan_ahead(self, repeat: int = 1) -> Step | None:
+        """The decodes of the step after the one in flight, run up to `repeat` times. A row
+        whose token is still being sampled feeds it back (PREVIOUS) one position on, unless
+        that token ends the answer for sure (max_tokens, context); an end of turn or a stop
+        string costs the runs after it, wasted rows. No run goes past any row's limits."""
         decodes = []
         for slot in self.slots:
             seq = slot.seq
             if seq is None or seq.cancelled or not seq.decoding:
                 continue
-            n_prompt, n_out = len(seq.request.prompt_ids), len(seq.output_ids)
+            n_prompt, known = len(seq.request.prompt_ids), len(seq.output_ids) + seq.pending
+            # Runs left before this row's answer ends for sure, each sampling one token.
+            left = min(seq.request.max_tokens - known, self.ctx - n_prompt - known)
             if not seq.pending:
-                decodes.append(Decode(slot.index, seq.output_ids[-1], n_prompt + n_out - 1))
-            elif n_out + 1 < seq.request.max_tokens and n_prompt + n_out + 1 < self.ctx:
-                decodes.append(Decode(slot.index, PREVIOUS, n_prompt + n_out))
+                decodes.append(Decode(slot.index, seq.output_ids[-1], n_prompt + known - 1))
+                repeat = min(repeat, max(left, 1))
+            elif left > 0:
+                decodes.append(Decode(slot.index, PREVIOUS, n_prompt + known - 1))
+                repeat = min(repeat, left)
         if not decodes:
             return None
         self._steps += 1
-        return Step(self._steps, decodes=tuple(decodes))
+        return Step(self._steps, decodes=tuple(decodes), repeat=repeat)
 
     def plan_join(self) -> Step | None:
         """New work for waiting requests, to run inside the step queued behind the running
@@ -229,6 +234,9 @@ class Batch:
         sent = Sent(step, {s.index: s.seq for s in self.slots if s.seq is not None}, ahead)
         for slot in sent.sampling_slots:
             sent.owners[slot].pending += 1
+        if step.repeat > 1:  # each later run samples its decodes' slots again
+            for d in step.decodes:
+                sent.owners[d.slot].pending += step.repeat - 1
         self.in_flight.append(sent)
         return sent
 
@@ -242,7 +250,13 @@ class Batch:
     # --- postprocessing -------------------------------------------------------------------
 
     def apply(self, sent: Sent, result: StepResult) -> None:
-        """A step's result: tokens become events in their requests' outboxes."""
+        """A step's result: tokens become events in their requests' outboxes (a repeated
+        step's runs in order: a row that ended in one wastes the runs after it)."""
+        self._apply_run(sent, result)
+        for i, later in enumerate(result.more, 1):
+            self._apply_run(sent.run(i), later)
+
+    def _apply_run(self, sent: Sent, result: StepResult) -> None:
         now = time.perf_counter()
         step, tokens = sent.step, result.tokens
         prompt_tokens = generated = 0
@@ -322,8 +336,18 @@ class Batch:
 
     @staticmethod
     def _emit(seq: Sequence, text: str) -> None:
-        """Text for the route, with the tokens it is the text of and their log-probs."""
-        seq.outbox.append(TextDelta(text, seq.unsent_tokens, tuple(seq.unsent_logprobs)))
+        """Text for the route, with the tokens it is the text of and their log-probs. Text
+        the route has not taken yet (a repeated step's runs, a reader behind) grows the last
+        event rather than queue another: one event, one write to the client."""
+        last = seq.outbox[-1] if seq.outbox else None
+        if isinstance(last, TextDelta):
+            seq.outbox[-1] = TextDelta(
+                last.text + text,
+                last.tokens + seq.unsent_tokens,
+                last.logprobs + tuple(seq.unsent_logprobs),
+            )
+        else:
+            seq.outbox.append(TextDelta(text, seq.unsent_tokens, tuple(seq.unsent_logprobs)))
         seq.emitted, seq.unsent_tokens = True, 0
         seq.unsent_logprobs.clear()
 

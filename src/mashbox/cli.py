@@ -140,6 +140,17 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {d.step_timeout:g})",
     )
     run.add_argument(
+        "--decode-burst",
+        dest="decode_burst_ms",
+        type=float,
+        default=d.decode_burst_ms,
+        metavar="MS",
+        help="decode steps the engine runs back to back, without the server between them, up "
+        f"to this many ms (default {d.decode_burst_ms:g}): fewer server wake-ups a token, so "
+        "more CPU decodes; streams get their tokens in bursts at most this long (0 = one "
+        "step at a time)",
+    )
+    run.add_argument(
         "--ui",
         action="store_true",
         help="serve the MASHBOX Chat page on / (health stays on /health and /v1/health)",
@@ -232,6 +243,8 @@ def main(argv=None) -> int:
             _parser().error("--cache-ram must be 0 (off) or more MiB")
         if args.cache_dir_mib < 1:
             _parser().error("--cache-dir-size must be at least 1 MiB")
+        if args.decode_burst_ms < 0:
+            _parser().error("--decode-burst must be 0 (one step at a time) or more ms")
         if args.drain_timeout < 0:
             _parser().error("--drain-timeout must be 0 (none) or more seconds")
         # Every option's flag has the option's name (dest): the values become ServeOptions.

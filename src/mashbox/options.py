@@ -22,6 +22,7 @@ class ServeOptions:
     prefill_chunk: int = 256
     stall_timeout: float = 30.0
     step_timeout: float = 120.0
+    decode_burst_ms: float = 10.0  # decode steps run back to back between the server's turns
     keep_alive: float = 5.0
     api_key_file: Path | None = None
     cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB

@@ -181,9 +181,22 @@ class Step:
     joins: int = 0
     persists: tuple[Persist, ...] = ()  # after the restores: the slots hold their prefixes
     disk_drops: tuple[str, ...] = ()  # disk cache files to remove
+    # Decodes only: the batch runs this many times back to back, each run after the first
+    # feeding back the token it sampled one position on (`run`); the results come back
+    # together (`StepResult.more`). The server then wakes once for that many tokens.
+    repeat: int = 1
+
+    def run(self, i: int) -> Step:
+        """Run i (from 0) of a repeated step: its decodes i positions on, each fed the token
+        the run before sampled for its slot."""
+        if i == 0:
+            return self
+        decodes = tuple(Decode(d.slot, PREVIOUS, d.position + i) for d in self.decodes)
+        return Step(self.index, decodes=decodes)
 
     def with_join(self, join: Step) -> Step:
-        """This step (decodes only) and `join` (new work on other slots) run as one."""
+        """This step (decodes only) and `join` (new work on other slots) run as one; a
+        repeated step's later runs are its own decodes alone."""
         return Step(
             self.index,
             admits=join.admits,
@@ -196,6 +209,7 @@ class Step:
             persists=join.persists,
             disk_drops=join.disk_drops,
             decides=join.decides,
+            repeat=self.repeat,
         )
 
 
@@ -220,6 +234,8 @@ class StepResult:
     # Slots whose logits held NaN or infinity (a numerical overflow): nothing was sampled
     # or read for them (no token, no decision).
     nonfinite: tuple[int, ...] = ()
+    # A repeated step's later runs (`Step.repeat`), in order: this result is its first's.
+    more: tuple[StepResult, ...] = ()
 
 
 @message

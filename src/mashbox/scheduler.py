@@ -26,6 +26,9 @@ log = logging.getLogger("mashbox")
 
 CHANNEL_SIZE = 64
 
+# The most runs one repeated decode step holds (`Step.repeat`, `Scheduler.decode_burst`).
+MAX_REPEAT = 8
+
 
 class RequestEvents(trio.abc.ReceiveChannel):
     """One request's events, as its route reads them. Closing it (`async with`) cancels the
@@ -91,8 +94,11 @@ class Scheduler:
         observer: Observer | None = None,
         prompt_cache: PromptCache | None = None,
         tenant_slots: int = 0,
+        decode_burst: float = 0.0,
     ):
-        """tenant_slots: slots one tenant's requests may hold at once (0: any number)."""
+        """tenant_slots: slots one tenant's requests may hold at once (0: any number).
+        decode_burst: seconds of decode steps the engine may run back to back, without the
+        server between them (`_repeat`); 0: one step at a time."""
         self.tokenizer = tokenizer
         self.batch = Batch(
             tokenizer,
@@ -104,6 +110,8 @@ class Scheduler:
             tenant_slots=tenant_slots,
         )
         self.stall_timeout = stall_timeout
+        self.decode_burst = decode_burst
+        self._run_s = math.inf  # how long the engine's latest step ran
         self.worker = worker  # started: a Supervisor, or the tests' engine in process
         self._wakeup = trio.Event()
         self._closing = False
@@ -219,7 +227,7 @@ class Scheduler:
                     await self._idle()
                     continue
                 if len(batch.in_flight) == 1 and not batch.needs_latest_state():
-                    self._send(batch.plan_ahead(), ahead=True)
+                    self._send(batch.plan_ahead(self._repeat()), ahead=True)
                 with trio.CancelScope() as self._step_scope:
                     self._receiving = True
                     try:
@@ -237,8 +245,22 @@ class Scheduler:
                 continue
             if result.disk_failed:  # not restored from again; a repeat writes them anew
                 self.prompt_cache.forget_disk(result.disk_failed)
+            self._run_s = (result.more or (result,))[-1].elapsed_s
             batch.apply(batch.landed(result), result)
         self._fail_everyone(Failed("the server is shutting down", status=503))
+
+    def _repeat(self) -> int:
+        """How many runs the next decode step holds: as many as fit `decode_burst` at the
+        latest step's pace, so the server wakes once for that many tokens a stream and its
+        CPU time (the engine's cores, on a CPU) goes to decoding. Tokens then reach their
+        clients in bursts at most that long. One run while a request waits for a slot (a
+        freed slot is seen only after the whole step) or a row follows a grammar (its
+        matcher would sample past the answer's end)."""
+        if self.decode_burst <= 0 or self.batch.waiting:
+            return 1
+        if any(s.seq and s.seq.request.params.grammar for s in self.batch.slots):
+            return 1
+        return max(1, min(MAX_REPEAT, int(self.decode_burst / max(self._run_s, 1e-6))))
 
     def _admit(self) -> list[Sequence]:
         """Free slots to waiting requests (the tests place a burst with it, not stepping)."""

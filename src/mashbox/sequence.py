@@ -51,7 +51,7 @@ class Sequence:
     retried: bool = False  # the one run-again after an engine fault is spent
     # A typed decision's reads so far: one tuple per branch, read a budget of rows a step.
     readings: list = attrs.Factory(list)
-    pending: int = 0  # steps sent that sample this sequence's next token, results not yet in
+    pending: int = 0  # tokens sent to be sampled for this sequence, results not yet in
     # One of a request's n choices (n > 1): its index, which tags its events in the channel
     # the choices share, and choice 0, whose prompt it copies once that is prefilled.
     choice: int | None = None
@@ -151,6 +151,10 @@ class Sent:
     def with_join(self, join: Sent) -> Sent:
         """This step and its join, as the engine ran them: one step (`Step.joins`)."""
         return Sent(self.step.with_join(join.step), {**self.owners, **join.owners})
+
+    def run(self, i: int) -> Sent:
+        """Run i of a repeated step (`Step.run`), with the same owners."""
+        return Sent(self.step.run(i), self.owners, self.ahead)
 
     @property
     def sampling_slots(self) -> list[int]:

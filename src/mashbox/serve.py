@@ -194,6 +194,7 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
         observer=state.metrics,
         prompt_cache=cache,
         tenant_slots=tenant_slots(opts, state.guard),
+        decode_burst=opts.decode_burst_ms / 1000,
     )
     state.loaded = Loaded(path.name, tokenizer, template, identity, scheduler)
     freeze_heap()  # as the engine process does: no full collection walks the loaded server

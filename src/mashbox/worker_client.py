@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing
 from typing import Protocol
@@ -161,6 +162,7 @@ class Supervisor(EngineLink):
         self.restarts = 0
         self.compiles_after_ready = 0  # across every worker process this server started
         self._compiles_seen = 0
+        self._runs = collections.deque()  # each step sent and not answered: its runs
 
     @property
     def pid(self) -> int | None:
@@ -173,6 +175,7 @@ class Supervisor(EngineLink):
         )
 
     async def start(self) -> EngineInfo:
+        self._runs.clear()  # a new worker never runs what the old one was sent
         self.worker = self._start_worker()
         self.info = await self.worker.start()
         self._compiles_seen = self.info.compiles
@@ -181,13 +184,17 @@ class Supervisor(EngineLink):
 
     def send(self, step: Step) -> None:
         self.worker.send(step)
+        self._runs.append(step.repeat)
 
     async def receive(self) -> StepResult:
         """The oldest sent step's result under the watchdog deadline (counted from when the
-        worker could start it: the step before's result, or now): a hung engine is a fault,
-        not a wait."""
-        with trio.move_on_after(self.step_timeout):
+        worker could start it: the step before's result, or now; a repeated step has it for
+        each run): a hung engine is a fault, not a wait."""
+        runs = self._runs.popleft() if self._runs else 1
+        with trio.move_on_after(self.step_timeout * runs):
             result = await self.worker.receive()
+            if result.joined and self._runs:  # its join came back with it
+                self._runs.popleft()
             self.compiles_after_ready += result.compiles - self._compiles_seen
             self._compiles_seen = result.compiles
             return result

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import torch
 
 from ..protocol import (
@@ -186,6 +187,7 @@ class Engine:
         ctx = ctx or min(self.cfg.max_context, DEFAULT_MAX_CTX)
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"  # read once: ~15 us cold a step (stop 40)
+        self.slow_s = 0.0  # seconds added to every step (MASHBOX_FAULTS slow=S, the tests')
         self.dtype = dtype or default_dtype(device)
         self.model = Model(
             self.cfg,
@@ -247,16 +249,26 @@ class Engine:
         )
 
     def step(self, step: Step) -> StepResult:
-        """Admit, prefill each chunk, decode the batch; return one token per sampling slot."""
+        """Admit, prefill each chunk, decode the batch; return one token per sampling slot
+        (and a repeated step's later runs' in `more`)."""
         # The worker's loop runs in inference mode: torch's context costs ~30 us at a step's
         # cold boundary (stop 40), so a step enters it only for callers outside it.
         if torch.is_inference_mode_enabled():
-            return self._step(step)
+            return self._runs(step)
         with torch.inference_mode():
-            return self._step(step)
+            return self._runs(step)
+
+    def _runs(self, step: Step) -> StepResult:
+        first = self._step(step)
+        if step.repeat == 1:
+            return first
+        more = tuple(self._step(step.run(i)) for i in range(1, step.repeat))
+        return attrs.evolve(first, more=more)
 
     def _step(self, step: Step) -> StepResult:
         t0 = time.perf_counter()
+        if self.slow_s:  # MASHBOX_FAULTS slow=S: a slower device, for the tests
+            time.sleep(self.slow_s)
         for save in step.saves:
             self.host_cache[save.entry] = self.cache.copy_out(save.slot, save.n)
         for share in step.shares:

@@ -5,7 +5,8 @@ number (it keeps counting across worker restarts, so each fault fires once):
   crash@K   the process exits at once (as a segfault or OOM kill would)
   raise@K   the step raises an exception
   hang@K    the step never returns (the scheduler's step deadline must catch it)
-  slow=S    every step sleeps S seconds first (makes prefill/decode windows wide for tests)
+  slow=S    every step, each run of a repeated one, takes S seconds longer, counted in its
+            time as a slow device's would be (makes prefill/decode windows wide for tests)
   crash_token=ID   the process exits in any step whose prompt chunks hold token ID (a
             poison request: it crashes the engine however often it runs)
 """
@@ -49,9 +50,8 @@ class Faults:
         self.at, self.slow, self.crash_tokens = parse(spec)
 
     def before_step(self, index: int, prompt_ids=()) -> None:
-        """Misbehave as asked before step `index`, whose prompt chunks hold `prompt_ids`."""
-        if self.slow:
-            time.sleep(self.slow)
+        """Misbehave as asked before step `index`, whose prompt chunks hold `prompt_ids`
+        (slow=S is the engine's: `Engine.slow_s`)."""
         if self.crash_tokens and self.crash_tokens.intersection(prompt_ids):
             os._exit(70)
         action = self.at.get(index)

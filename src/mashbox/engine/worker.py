@@ -52,6 +52,7 @@ def worker_main(
             cache_dir_bytes=cache_dir_bytes,
             model_sha=model_sha,
         )
+        engine.slow_s = faults.slow
         masks.grammars()  # before ready: no step waits for llguidance's view of the vocabulary
     except Exception as exc:
         send(conn, WorkerFailed(f"cannot load {path}: {exc}"))
