@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mashbox.batch import MAX_JOIN_TOKENS, Batch
+from mashbox.batch import MAX_EVENT_TOKENS, MAX_JOIN_TOKENS, Batch
 from mashbox.events import Admitted, Failed, Finished, Request, Restarted, TextDelta
 from mashbox.observer import Observer
 from mashbox.protocol import PREVIOUS, Admit, Decode, Prefill, SamplingParams, Step, StepResult
@@ -226,6 +226,23 @@ def test_a_row_that_ends_inside_a_repeated_step_wastes_the_runs_after_it(tok):
     assert isinstance(seq.outbox[-1], Finished) and seq.outbox[-1].reason == "stop"
     # What the slot is known to hold stops at the answer's end, not at the wasted runs.
     assert batch.slots[0].tokens == [*seq.request.prompt_ids, *answer[:3]]
+
+
+def test_a_reader_far_behind_gets_its_text_in_events_of_bounded_size(tok):
+    """Text the route has not taken grows the last event, but only up to MAX_EVENT_TOKENS:
+    each token's copy stays bounded however far behind the reader is."""
+    batch = Batch(tok, slots=1, ctx=512)
+    answer = tok.encode(PARIS * 20)
+    seq = started(batch, tok.encode("Hello"), answer[0], max_tokens=len(answer))
+    for token in answer[1:]:
+        send(batch, batch.plan())
+        result(batch, {0: token})
+    deltas = [e for e in seq.outbox if isinstance(e, TextDelta)]
+    assert len(answer) > 3 * MAX_EVENT_TOKENS
+    assert len(deltas) >= len(answer) // MAX_EVENT_TOKENS
+    assert all(d.tokens <= MAX_EVENT_TOKENS for d in deltas)
+    assert sum(d.tokens for d in deltas) == len(answer)
+    assert texts(seq) == tok.decode(answer)
 
 
 def test_a_row_for_a_slot_freed_while_it_ran_is_wasted_and_ignored(tok):

@@ -36,6 +36,10 @@ NONFINITE = (
 # a step runs, so it must fit the pipe's buffer (64 KiB) or the event loop would wait.
 MAX_JOIN_TOKENS = 4096
 
+# The most generated tokens one text event grows to (`Batch._emit`): growing copies the event,
+# so a reader far behind costs a bounded copy a token, not one the length of its backlog.
+MAX_EVENT_TOKENS = 32
+
 
 class Batch:
     """The queue, the slots and the steps in flight. Each request's events go to its
@@ -338,9 +342,9 @@ class Batch:
     def _emit(seq: Sequence, text: str) -> None:
         """Text for the route, with the tokens it is the text of and their log-probs. Text
         the route has not taken yet (a repeated step's runs, a reader behind) grows the last
-        event rather than queue another: one event, one write to the client."""
+        event, up to MAX_EVENT_TOKENS, rather than queue another: one write to the client."""
         last = seq.outbox[-1] if seq.outbox else None
-        if isinstance(last, TextDelta):
+        if isinstance(last, TextDelta) and last.tokens < MAX_EVENT_TOKENS:
             seq.outbox[-1] = TextDelta(
                 last.text + text,
                 last.tokens + seq.unsent_tokens,
