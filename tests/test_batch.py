@@ -228,6 +228,25 @@ def test_a_row_that_ends_inside_a_repeated_step_wastes_the_runs_after_it(tok):
     assert batch.slots[0].tokens == [*seq.request.prompt_ids, *answer[:3]]
 
 
+def test_a_step_planned_ahead_names_the_ends_of_turn_unless_a_row_ignores_them(tok):
+    batch = Batch(tok, slots=2, ctx=64)
+    answer = tok.encode("Paris is")
+    seq = started(batch, tok.encode(PARIS), answer[0])
+    send(batch, batch.plan())
+    ahead = send(batch, batch.plan_ahead(4), ahead=True)
+    assert ahead.ends == tuple(sorted(tok.eog_ids)) and ahead.repeat == 4
+    assert seq.pending == 5
+    # The engine stopped after the first run: the row's answer ended there.
+    result(batch, {0: answer[1]})
+    done = runs({0: min(tok.eog_ids)})
+    batch.apply(batch.landed(done), done)
+    assert seq.done and seq.pending == 0
+    other = Batch(tok, slots=2, ctx=64)
+    started(other, tok.encode(PARIS), answer[0], ignore_eos=True)
+    send(other, other.plan())
+    assert send(other, other.plan_ahead(4), ahead=True).ends == ()
+
+
 def test_a_reader_far_behind_gets_its_text_in_events_of_bounded_size(tok):
     """Text the route has not taken grows the last event, but only up to MAX_EVENT_TOKENS:
     each token's copy stays bounded however far behind the reader is."""

@@ -14,7 +14,7 @@ import trio
 
 from mashbox.engine.engine import Engine
 from mashbox.events import Finished, Request, TextDelta
-from mashbox.protocol import SamplingParams
+from mashbox.protocol import PREVIOUS, Admit, Decode, Prefill, SamplingParams, Step
 from mashbox.scheduler import MAX_REPEAT, Scheduler
 from mashbox.text.stops import StopMatcher
 from mashbox.text.tokenizer import Detokenizer, Tokenizer
@@ -220,3 +220,28 @@ async def test_a_request_that_joins_a_queued_step_answers_as_it_would_alone(
     assert any(step.joins for step, _ in link.sent)  # it came in as a join
     assert second.sequence.output_ids == expected_late
     assert first.sequence.output_ids == expected_running
+
+
+def test_a_row_fed_back_an_end_of_turn_is_left_out_of_the_runs_after(tiny_llama, tok):
+    """`Step.ends`: a row whose answer has ended (it is fed back an end of turn) is computed
+    no more, in the runs of its step or in a step planned ahead before its end was known;
+    a step with no row left ends there, having run nothing."""
+    engine = Engine(tiny_llama, slots=2, ctx=128)
+    prompts = [tuple(tok.encode("Tell me a story")), tuple(tok.encode("The sea"))]
+    (a, b) = step_by_step(engine, prompts, 4)  # each row's greedy tokens
+    assert a[1] not in b[1:3]  # so that only row 0 counts a[1] as its end
+    first = engine.step(
+        Step(
+            admits=tuple(Admit(s, SamplingParams(), p) for s, p in enumerate(prompts)),
+            prefills=tuple(Prefill(s, 0, p, True) for s, p in enumerate(prompts)),
+        )
+    )
+    assert first.tokens == {0: a[0], 1: b[0]}
+    decodes = tuple(Decode(s, PREVIOUS, len(p)) for s, p in enumerate(prompts))
+    done = engine.step(Step(1, decodes=decodes, repeat=3, ends=(a[1],)))
+    assert done.tokens == {0: a[1], 1: b[1]}
+    assert [r.tokens for r in done.more] == [{1: b[2]}, {1: b[3]}]
+    # Planned ahead before b[3] was known to end row 1: nothing runs.
+    ahead = Step(2, decodes=(Decode(1, PREVIOUS, len(prompts[1]) + 3),), repeat=4, ends=(b[3],))
+    idle = engine.step(ahead)
+    assert idle.tokens == {} and idle.forwards == 0 and idle.more == ()

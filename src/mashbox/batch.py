@@ -198,11 +198,12 @@ class Batch:
         whose token is still being sampled feeds it back (PREVIOUS) one position on, unless
         that token ends the answer for sure (max_tokens, context); an end of turn or a stop
         string costs the runs after it, wasted rows. No run goes past any row's limits."""
-        decodes = []
+        decodes, ignores_ends = [], False
         for slot in self.slots:
             seq = slot.seq
             if seq is None or seq.cancelled or not seq.decoding:
                 continue
+            ignores_ends |= seq.request.ignore_eos
             n_prompt, known = len(seq.request.prompt_ids), len(seq.output_ids) + seq.pending
             # Runs left before this row's answer ends for sure, each sampling one token.
             left = min(seq.request.max_tokens - known, self.ctx - n_prompt - known)
@@ -215,7 +216,8 @@ class Batch:
         if not decodes:
             return None
         self._steps += 1
-        return Step(self._steps, decodes=tuple(decodes), repeat=repeat)
+        ends = () if ignores_ends else tuple(sorted(self.tokenizer.eog_ids))
+        return Step(self._steps, decodes=tuple(decodes), repeat=repeat, ends=ends)
 
     def plan_join(self) -> Step | None:
         """New work for waiting requests, to run inside the step queued behind the running
@@ -255,10 +257,14 @@ class Batch:
 
     def apply(self, sent: Sent, result: StepResult) -> None:
         """A step's result: tokens become events in their requests' outboxes (a repeated
-        step's runs in order: a row that ended in one wastes the runs after it)."""
+        step's runs in order; a row whose answer ended in one is left out of the runs after
+        it, or wastes them where its request ignores ends of turn)."""
         self._apply_run(sent, result)
         for i, later in enumerate(result.more, 1):
             self._apply_run(sent.run(i), later)
+        for _ in range(len(result.more) + 1, sent.step.repeat):  # not run: every row had ended
+            for d in sent.step.decodes:
+                sent.owners[d.slot].pending -= 1
 
     def _apply_run(self, sent: Sent, result: StepResult) -> None:
         now = time.perf_counter()

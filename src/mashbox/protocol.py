@@ -185,6 +185,10 @@ class Step:
     # feeding back the token it sampled one position on (`run`); the results come back
     # together (`StepResult.more`). The server then wakes once for that many tokens.
     repeat: int = 1
+    # Tokens that end every answer this step decodes (the ends of turn; empty where a row
+    # ignores them): a row fed one back is over, and the engine leaves it out of the step
+    # and of the runs after; when no row is left, the step ends there.
+    ends: tuple[int, ...] = ()
 
     def run(self, i: int) -> Step:
         """Run i (from 0) of a repeated step: its decodes i positions on, each fed the token
@@ -192,7 +196,7 @@ class Step:
         if i == 0:
             return self
         decodes = tuple(Decode(d.slot, PREVIOUS, d.position + i) for d in self.decodes)
-        return Step(self.index, decodes=decodes)
+        return Step(self.index, decodes=decodes, ends=self.ends)
 
     def with_join(self, join: Step) -> Step:
         """This step (decodes only) and `join` (new work on other slots) run as one; a
@@ -210,6 +214,7 @@ class Step:
             disk_drops=join.disk_drops,
             decides=join.decides,
             repeat=self.repeat,
+            ends=self.ends,
         )
 
 
@@ -235,6 +240,7 @@ class StepResult:
     # or read for them (no token, no decision).
     nonfinite: tuple[int, ...] = ()
     # A repeated step's later runs (`Step.repeat`), in order: this result is its first's.
+    # Fewer than asked where every row's answer ended (`Step.ends`).
     more: tuple[StepResult, ...] = ()
 
 

@@ -245,7 +245,9 @@ class Scheduler:
                 continue
             if result.disk_failed:  # not restored from again; a repeat writes them anew
                 self.prompt_cache.forget_disk(result.disk_failed)
-            self._run_s = (result.more or (result,))[-1].elapsed_s
+            last_run = (result.more or (result,))[-1]
+            if last_run.forwards:  # not a step whose every row had ended: it ran nothing
+                self._run_s = last_run.elapsed_s
             batch.apply(batch.landed(result), result)
         self._fail_everyone(Failed("the server is shutting down", status=503))
 

@@ -259,11 +259,26 @@ class Engine:
             return self._runs(step)
 
     def _runs(self, step: Step) -> StepResult:
-        first = self._step(step)
-        if step.repeat == 1:
-            return first
-        more = tuple(self._step(step.run(i)) for i in range(1, step.repeat))
-        return attrs.evolve(first, more=more)
+        first = self._step(self._unended(step))
+        more = []
+        for i in range(1, step.repeat):
+            run = self._unended(step.run(i))
+            if not run.decodes:  # every row's answer is over
+                break
+            more.append(self._step(run))
+        return attrs.evolve(first, more=tuple(more)) if more else first
+
+    def _unended(self, step: Step) -> Step:
+        """The step without its rows fed back an end of turn (`Step.ends`): their answers are
+        over, so computing them would only be thrown away."""
+        if not step.ends:
+            return step
+        decodes = tuple(
+            d
+            for d in step.decodes
+            if d.token_id != PREVIOUS or self.slots[d.slot].last not in step.ends
+        )
+        return step if len(decodes) == len(step.decodes) else attrs.evolve(step, decodes=decodes)
 
     def _step(self, step: Step) -> StepResult:
         t0 = time.perf_counter()
