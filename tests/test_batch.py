@@ -202,8 +202,10 @@ def test_a_repeated_step_runs_its_decodes_on_within_every_rows_limits(tok):
     batch.apply(batch.landed(done), done)
     assert long.output_ids == short.output_ids == answer[:5]
     assert long.pending == short.pending == 0
-    # The runs' text is one event, and the slot holds every token fed to it.
-    assert list(long.outbox) == [TextDelta(tok.decode(answer[2:5]), 3)]
+    # The runs' text is one event, which keeps its pieces; the slot holds every token fed.
+    (delta,) = long.outbox
+    assert (delta.text, delta.tokens) == (tok.decode(answer[2:5]), 3)
+    assert [piece for piece, _ in delta.pieces()] == [tok.decode([t]) for t in answer[2:5]]
     assert batch.slots[0].tokens == [*long.request.prompt_ids, *answer[:4]]
     assert short.done and short.outbox[-1].reason == "length"
     # Alone, `long` repeats as asked; never past its context.
@@ -245,6 +247,21 @@ def test_a_step_planned_ahead_names_the_ends_of_turn_unless_a_row_ignores_them(t
     started(other, tok.encode(PARIS), answer[0], ignore_eos=True)
     send(other, other.plan())
     assert send(other, other.plan_ahead(4), ahead=True).ends == ()
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_row_that_follows_a_grammar_repeats_only_where_its_end_of_turn_ends_it(tok, ignore_eos):
+    """Its matcher must never be asked for a token after the answer's end: a row fed back an
+    end of turn is left out (`Step.ends`), unless its request ignores ends of turn."""
+    batch = Batch(tok, slots=1, ctx=64)
+    params = SamplingParams(grammar='start: "yes" | "no"')
+    request = Request(tuple(tok.encode(PARIS)), params, 50, ignore_eos=ignore_eos)
+    batch.waiting.append(Sequence.new(request, tok, None))
+    batch.admit()
+    send(batch, batch.plan())
+    result(batch, {0: tok.encode("yes")[0]})
+    send(batch, batch.plan())
+    assert send(batch, batch.plan_ahead(4), ahead=True).repeat == (1 if ignore_eos else 4)
 
 
 def test_a_reader_far_behind_gets_its_text_in_events_of_bounded_size(tok):

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
-from mashbox.events import Finished, Timings, Usage
+import trio
+
+from mashbox.events import Finished, TextDelta, Timings, Usage
 from mashbox.server.anthropic_api import MessagesEncoder
-from mashbox.server.chat import Ping
+from mashbox.server.chat import ChatPrompt, Ping, parsed
 from mashbox.server.openai_chat import ChatEncoder
 from mashbox.server.openai_completions import CompletionEncoder
 from mashbox.server.responses_api import ResponsesEncoder
@@ -129,3 +131,31 @@ def test_responses_failure_is_error_then_response_failed():
     assert names[-2:] == ["error", "response.failed"]
     assert out[-1][1]["response"]["status"] == "failed"
     assert out[-1][1]["response"]["output"][0]["content"][0]["text"] == "partial"
+
+
+async def _read_answer(deltas: list) -> tuple[list, int]:
+    """`chat.parsed` over these TextDeltas, then a Finished: its items and reasoning count."""
+    send, receive = trio.open_memory_channel(len(deltas) + 1)
+    for delta in deltas:
+        send.send_nowait(delta)
+    send.send_nowait(done())
+    send.close()
+    prompt = ChatPrompt("", reasoning=True, in_reasoning=False, tools_offered=False,
+                        forced_prefix=None)  # fmt: skip
+    items = [item async for item in parsed(receive, prompt)]
+    assert isinstance(items[-1], Finished) and all(isinstance(d, TextDelta) for d in deltas)
+    return items[:-1], items[-1].reasoning_tokens
+
+
+async def test_a_grown_delta_reads_as_its_pieces_did_with_the_same_reasoning_count():
+    """Deltas the route had not taken are grown into one (`Batch._emit`, a repeated step's
+    runs): read, they give the same reasoning and content as the pieces one by one, the
+    same count of reasoning tokens, and one item of each kind, not one a piece."""
+    pieces = ["<think>", "Paris", " is", " sunny", "</think>", "It", " is", " sunny."]
+    one_by_one = [TextDelta(p) for p in pieces]
+    grown = TextDelta("".join(pieces), len(pieces), parts=tuple((len(p), 1) for p in pieces))
+    alone, alone_count = await _read_answer(one_by_one)
+    items, count = await _read_answer([grown])
+    assert count == alone_count == 5  # the think tags count with the reasoning
+    assert items == [Reasoning("Paris is sunny"), Content("It is sunny.")]
+    assert "".join(i.text for i in alone if isinstance(i, Content)) == "It is sunny."

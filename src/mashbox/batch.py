@@ -196,14 +196,18 @@ class Batch:
     def plan_ahead(self, repeat: int = 1) -> Step | None:
         """The decodes of the step after the one in flight, run up to `repeat` times. A row
         whose token is still being sampled feeds it back (PREVIOUS) one position on, unless
-        that token ends the answer for sure (max_tokens, context); an end of turn or a stop
-        string costs the runs after it, wasted rows. No run goes past any row's limits."""
-        decodes, ignores_ends = [], False
+        that token ends the answer for sure (max_tokens, context). No run goes past any row's
+        limits. The step names the ends of turn (`Step.ends`) unless a row ignores them: a
+        row fed one back is left out by the engine. A stop string costs the runs after it,
+        wasted rows. A row that follows a grammar runs once where ends of turn do not end
+        every row (its matcher would be asked for tokens past the answer's end)."""
+        decodes, ignores_ends, follows_grammar = [], False, False
         for slot in self.slots:
             seq = slot.seq
             if seq is None or seq.cancelled or not seq.decoding:
                 continue
             ignores_ends |= seq.request.ignore_eos
+            follows_grammar |= bool(seq.request.params.grammar)
             n_prompt, known = len(seq.request.prompt_ids), len(seq.output_ids) + seq.pending
             # Runs left before this row's answer ends for sure, each sampling one token.
             left = min(seq.request.max_tokens - known, self.ctx - n_prompt - known)
@@ -215,6 +219,8 @@ class Batch:
                 repeat = min(repeat, left)
         if not decodes:
             return None
+        if ignores_ends and follows_grammar:
+            repeat = 1
         self._steps += 1
         ends = () if ignores_ends else tuple(sorted(self.tokenizer.eog_ids))
         return Step(self._steps, decodes=tuple(decodes), repeat=repeat, ends=ends)
@@ -348,13 +354,15 @@ class Batch:
     def _emit(seq: Sequence, text: str) -> None:
         """Text for the route, with the tokens it is the text of and their log-probs. Text
         the route has not taken yet (a repeated step's runs, a reader behind) grows the last
-        event, up to MAX_EVENT_TOKENS, rather than queue another: one write to the client."""
+        event, up to MAX_EVENT_TOKENS, rather than queue another: one write to the client.
+        Its `parts` keep where each delta was, for the route's count of reasoning tokens."""
         last = seq.outbox[-1] if seq.outbox else None
         if isinstance(last, TextDelta) and last.tokens < MAX_EVENT_TOKENS:
             seq.outbox[-1] = TextDelta(
                 last.text + text,
                 last.tokens + seq.unsent_tokens,
                 last.logprobs + tuple(seq.unsent_logprobs),
+                (*(last.parts or ((len(last.text), last.tokens),)), (len(text), seq.unsent_tokens)),
             )
         else:
             seq.outbox.append(TextDelta(text, seq.unsent_tokens, tuple(seq.unsent_logprobs)))

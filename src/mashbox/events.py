@@ -7,6 +7,7 @@ queue's limits. No trio, no torch: the whole server speaks this vocabulary.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterator
 
 import attrs
 
@@ -47,6 +48,19 @@ class TextDelta:
     text: str
     tokens: int = 1
     logprobs: tuple[TokenLogprob, ...] = ()
+    # Where deltas the route had not taken yet were grown into this one (`Batch._emit`):
+    # each one's (length of text, tokens), in order; () for one delta.
+    parts: tuple[tuple[int, int], ...] = ()
+
+    def pieces(self) -> Iterator[tuple[str, int]]:
+        """(text, tokens) of each delta this one was grown from, in order."""
+        if not self.parts:
+            yield self.text, self.tokens
+            return
+        at = 0
+        for length, tokens in self.parts:
+            yield self.text[at : at + length], tokens
+            at += length
 
 
 @attrs.frozen

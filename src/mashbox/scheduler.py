@@ -256,11 +256,9 @@ class Scheduler:
         latest step's pace, so the server wakes once for that many tokens a stream and its
         CPU time (the engine's cores, on a CPU) goes to decoding. Tokens then reach their
         clients in bursts at most that long. One run while a request waits for a slot (a
-        freed slot is seen only after the whole step) or a row follows a grammar (its
-        matcher would sample past the answer's end)."""
+        freed slot is seen only after the whole step); the rows' own limits are the batch
+        core's (`Batch.plan_ahead`)."""
         if self.decode_burst <= 0 or self.batch.waiting:
-            return 1
-        if any(s.seq and s.seq.request.params.grammar for s in self.batch.slots):
             return 1
         return max(1, min(MAX_REPEAT, int(self.decode_burst / max(self._run_s, 1e-6))))
 

@@ -19,6 +19,7 @@ from ..text.parser import (
     Content,
     InvalidToolCall,
     OutputParser,
+    Reasoning,
     ToolCall,
     call_from_json,
     merge,
@@ -258,11 +259,13 @@ async def parsed(events, prompt: ChatPrompt, *, ping_every: float | None = None)
             continue
         if isinstance(event, TextDelta):
             tokens.add(event)
-            before = parser.in_reasoning
-            items = tokens.place(bare.pass_through(parser.feed(event.text)))
-            if before or parser.in_reasoning:  # the think tags count with the reasoning
-                reasoning_tokens += event.tokens
-            for item in items:
+            read = []
+            for text, n in event.pieces():  # a grown delta's pieces: exact reasoning counts
+                before = parser.in_reasoning
+                read += parser.feed(text)
+                if before or parser.in_reasoning:  # the think tags count with the reasoning
+                    reasoning_tokens += n
+            for item in tokens.place(bare.pass_through(_joined(read))):
                 yield item
         elif isinstance(event, Finished):
             for item in tokens.place(bare.finish(parser.finish())):
@@ -276,6 +279,25 @@ async def parsed(events, prompt: ChatPrompt, *, ping_every: float | None = None)
             yield event
         elif isinstance(event, Failed):
             yield event
+
+
+def _joined(items: list) -> list:
+    """Adjacent reasoning, or content, read from one delta's pieces as one item each: one
+    event to the client for one delta, however many pieces it was grown from."""
+    out = []
+    for item in items:
+        last = out[-1] if out else None
+        if (
+            isinstance(item, Reasoning | Content)
+            and type(item) is type(last)
+            and item.start is not None
+            and last.start is not None
+            and last.start + len(last.text) == item.start
+        ):
+            out[-1] = attrs.evolve(last, text=last.text + item.text)
+        else:
+            out.append(item)
+    return out
 
 
 class _BareCalls:
