@@ -58,6 +58,7 @@ class Batch:
     ):
         """tenant_slots: slots one tenant's requests may hold at once (0: any number)."""
         self.tokenizer = tokenizer
+        self._ends = tuple(sorted(tokenizer.eog_ids))  # what a step planned ahead names
         self.ctx = ctx
         self.prefill_chunk = prefill_chunk
         self.tenant_slots = tenant_slots or slots
@@ -222,7 +223,7 @@ class Batch:
         if ignores_ends and follows_grammar:
             repeat = 1
         self._steps += 1
-        ends = () if ignores_ends else tuple(sorted(self.tokenizer.eog_ids))
+        ends = () if ignores_ends else self._ends
         return Step(self._steps, decodes=tuple(decodes), repeat=repeat, ends=ends)
 
     def plan_join(self) -> Step | None:
