@@ -7,6 +7,7 @@
 //
 //   bash bench/prefill_attention_ab.sh HEAD~1 [START [ROWS [HEADS KV_HEADS]]]
 //   bash bench/prefill_attention_ab.sh HEAD~1 2048 256 9 3     # SmolLM2's shape
+//   THREADS=1 bash bench/prefill_attention_ab.sh HEAD~1         # one thread's rate
 //
 // Prints the time ratio A / B (median of 15 alternations; below 1: A is faster), each side's
 // best and its rate in GFLOP/s (the scores' and the weighted values' multiply-adds), and the
@@ -27,7 +28,8 @@ torch::Tensor prefill_attention_b(torch::Tensor q, torch::Tensor k, torch::Tenso
 using Clock = std::chrono::steady_clock;
 
 int main(int argc, char** argv) {
-  at::set_num_threads(2);
+  const char* threads = std::getenv("THREADS");  // default: this host's two cores
+  at::set_num_threads(threads ? std::atoi(threads) : 2);
   int64_t start = 16384, rows = 256, heads = 14, kv_heads = 2;
   if (argc > 1) start = atol(argv[1]);
   if (argc > 2) rows = atol(argv[2]);
