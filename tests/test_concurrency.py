@@ -315,11 +315,16 @@ def test_a_non_streamed_request_runs_again_after_a_fault(tiny_llama, reference_t
 def test_a_stream_with_no_output_yet_runs_again(tiny_llama, reference_text):
     proc = start_fault_server(tiny_llama, "crash@1")
     try:
-        r = httpx.post(proc.url + CHAT, json={**SEEDED, "stream": True}, timeout=120)
+        # With usage in every chunk: the count the answer started again with is its own.
+        options = {"continuous_usage_stats": True}
+        body = {**SEEDED, "stream": True, "stream_options": options}
+        r = httpx.post(proc.url + CHAT, json=body, timeout=120)
         events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
         text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
         assert text == reference_text
         assert r.text.rstrip().endswith("data: [DONE]")
+        counts = [e["usage"]["completion_tokens"] for e in events]
+        assert counts == sorted(counts) and counts[-1] == SEEDED["max_tokens"]
     finally:
         proc.stop()
 

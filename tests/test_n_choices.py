@@ -105,6 +105,37 @@ def test_four_choices_are_their_derived_seeds_alone(client, ask):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+@pytest.mark.parametrize("route", [CHAT, "/v1/completions"])
+def test_continuous_usage_counts_each_choice_apart(choices_server, route):
+    if route == CHAT:
+        body = {"messages": [{"role": "user", "content": "Tell me a story about the sea."}]}
+    else:
+        body = {"prompt": "Once upon a time, by the sea,"}
+    body |= {"n": 3, "seed": SEED, "temperature": 1, "max_tokens": 12}
+    whole = httpx.post(choices_server.url + route, json=body, timeout=60).json()
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    r = httpx.post(
+        choices_server.url + route,
+        json={**body, "stream": True, "stream_options": options},
+        timeout=60,
+    )
+    *chunks, usage_chunk, _ = sse_events(r.text)
+    usage = usage_chunk["usage"]  # every choice's tokens, the prompt once (and now cached)
+    assert usage["completion_tokens"] == whole["usage"]["completion_tokens"]
+    assert usage["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+    counts: dict[int, list[int]] = {}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        counts.setdefault(choice["index"], []).append(chunk["usage"]["completion_tokens"])
+        prompt = chunk["usage"]["prompt_tokens"]
+        assert prompt == whole["usage"]["prompt_tokens"]
+        assert chunk["usage"]["total_tokens"] == prompt + chunk["usage"]["completion_tokens"]
+    assert sorted(counts) == [0, 1, 2]
+    for each in counts.values():  # each choice's own count, rising to its own end
+        assert each == sorted(each) and 1 <= each[-1] <= 12
+    assert sum(each[-1] for each in counts.values()) == whole["usage"]["completion_tokens"]
+
+
 @pytest.mark.parametrize(("route", "field"), [(CHAT, "delta"), ("/v1/completions", "text")])
 def test_streamed_choices_carry_their_index_and_end_once(choices_server, route, field):
     if route == CHAT:

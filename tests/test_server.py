@@ -153,6 +153,69 @@ def test_completions_whole_and_streamed(server):
     assert as_list["choices"][0]["text"] == choice["text"]
 
 
+def test_continuous_usage_counts_each_chunks_tokens(server, client):
+    """stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far;
+    with log-probs, each content chunk's count is the tokens whose log-probs came so far."""
+    body = chat_body(max_tokens=24, temperature=0, logprobs=True, ignore_eos=True)
+    whole = httpx.post(server.url + CHAT, json=body, timeout=60).json()
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    r = httpx.post(
+        server.url + CHAT, json={**body, "stream": True, "stream_options": options}, timeout=60
+    )
+    *chunks, usage_chunk, done = sse_events(r.text)
+    assert done == "[DONE]" and usage_chunk["choices"] == []
+    # include_usage's chunk as before (the prompt now partly cached).
+    usage = dict(usage_chunk["usage"])
+    assert usage.pop("prompt_tokens_details")["cached_tokens"] >= 0
+    final = {k: v for k, v in whole["usage"].items() if k != "prompt_tokens_details"}
+    assert usage == final
+    prompt = final["prompt_tokens"]
+    assert chunks[0]["usage"] == {"prompt_tokens": prompt, "completion_tokens": 0,
+                                  "total_tokens": prompt}  # fmt: skip
+    seen, text = 0, ""
+    for chunk in chunks[1:-1]:
+        (choice,) = chunk["choices"]
+        seen += len(choice["logprobs"]["content"])
+        text += choice["delta"]["content"]
+        assert chunk["usage"] == {"prompt_tokens": prompt, "completion_tokens": seen,
+                                  "total_tokens": prompt + seen}  # fmt: skip
+    assert text == whole["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"] == final and seen == final["completion_tokens"] == 24
+    # The SDK reads it; without include_usage there is no usage chunk, only the counts.
+    stream = client.chat.completions.create(
+        model="tiny-llama.gguf",
+        messages=body["messages"],
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "stream_options": {"continuous_usage_stats": True}},
+    )
+    counts = [c.usage.completion_tokens for c in stream]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 24
+
+
+def test_continuous_usage_on_completions_and_its_bad_values(server):
+    body = {"prompt": "The capital of France is", "max_tokens": 10, "ignore_eos": True}
+    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={**body, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        timeout=60,
+    )
+    *chunks, done = sse_events(r.text)
+    assert done == "[DONE]" and all(c["choices"] for c in chunks)  # no usage chunk asked for
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == whole["usage"]["completion_tokens"] == 10
+    assert chunks[-1]["usage"] == whole["usage"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    for route, extra in ((CHAT, chat_body()), ("/v1/completions", {"prompt": "Hi"})):
+        bad = {**extra, "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}
+        r = httpx.post(server.url + route, json=bad, timeout=60)
+        assert r.status_code == 400
+        assert "continuous_usage_stats" in r.json()["error"]["message"]
+
+
 def test_stop_string_cuts_the_text(server):
     base = {"prompt": "Paris is", "max_tokens": 24, "temperature": 0}
     free = httpx.post(server.url + "/v1/completions", json=base, timeout=60).json()

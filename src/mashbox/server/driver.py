@@ -23,7 +23,7 @@ from typing import Protocol
 import attrs
 import trio
 
-from ..events import Failed, Finished, NotReady, QueueFull, Request, Restarted
+from ..events import Failed, Finished, NotReady, QueueFull, Request, Restarted, TextDelta
 from ..scheduler import ChoiceEvents, RequestEvents
 from ..text.parser import ToolCall, merge
 from . import chat
@@ -95,6 +95,42 @@ class ChoicesEncoder(Encoder, Protocol):
     def whole_answer(self, choices: list[dict], done: Finished) -> dict: ...
 
 
+class Tally:
+    """The tokens each choice of an answer has generated so far, counted as its events
+    arrive, for usage in every event of a stream (vLLM's `continuous_usage_stats`). A token
+    whose text is held back counts when it arrives, not when its text is sent."""
+
+    def __init__(self, prompt_tokens: int, choices: int = 1):
+        self.prompt_tokens = prompt_tokens
+        self.completion = [0] * choices
+
+    def count(self, index: int, event) -> None:
+        if isinstance(event, TextDelta):
+            self.completion[index] += event.tokens
+        elif isinstance(event, Restarted):  # the answer starts again
+            self.completion[index] = 0
+
+    def usage(self, index: int) -> dict:
+        done = self.completion[index]
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}  # fmt: skip
+
+
+class _Counted(trio.abc.ReceiveChannel):
+    """A request's events, each counted into its Tally as the parser reads it."""
+
+    def __init__(self, events, tally: Tally):
+        self.events, self.tally = events, tally
+
+    async def receive(self):
+        event = await self.events.receive()
+        self.tally.count(0, event)
+        return event
+
+    async def aclose(self) -> None:
+        await self.events.aclose()
+
+
 @attrs.frozen
 class Call:
     """One generation request, parsed: what the scheduler runs and how to answer it."""
@@ -103,6 +139,7 @@ class Call:
     prompt: ChatPrompt | None  # None: plain completions (the text is not parsed)
     encoder: Encoder  # a ChoicesEncoder where choices > 1
     choices: int = 1  # `n`
+    tally: Tally | None = None  # where every event carries the usage so far (its encoders')
 
 
 Parse = Callable[[ServerState, Body, str], Awaitable[Call]]
@@ -166,6 +203,8 @@ async def _stream(events: RequestEvents, call: Call, logged) -> AsyncIterator[Fr
         source, cached = events, None
         if encoder.waits_for_admission:
             cached, source = await chat.admission(events, encoder.ping_every)
+        if call.tally is not None:
+            source = _Counted(source, call.tally)
         for f in encoder.start(cached):
             yield f
         if call.prompt is None:
@@ -271,6 +310,8 @@ async def _stream_choices(
                 yield f
         async for index, event in events:
             encoder = encoders[index]
+            if call.tally is not None:
+                call.tally.count(index, event)
             for item in await reader.read(index, event):
                 if isinstance(item, Finished):
                     ends[index] = item

@@ -8,12 +8,12 @@ import time
 
 import attrs
 
-from ..events import Finished
+from ..events import Finished, Request
 from ..text.parser import Reasoning, ToolCall
 from . import chat, structured
 from .chat import Answer, Logprobs, ToolChoice
 from .content import ContentError, text_of
-from .driver import Call, Frame, OneFieldFrame, frame
+from .driver import Call, Frame, OneFieldFrame, Tally, frame
 from .errors import bad_request
 from .generation import (
     MAX_CHOICES,
@@ -160,6 +160,15 @@ def include_usage(body: Body) -> bool:
     return bool(options and options.bool("include_usage", False))
 
 
+def usage_tally(body: Body, request: Request, choices: int) -> Tally | None:
+    """A Tally where a stream asks for usage in every event (vLLM's
+    `stream_options.continuous_usage_stats`), else None."""
+    options = body.object("stream_options")
+    if not (options and options.bool("continuous_usage_stats", False) and request.stream):
+        return None
+    return Tally(len(request.prompt_ids), choices)
+
+
 def usage_dict(usage, *, details: bool = True) -> dict:
     out = {
         "prompt_tokens": usage.prompt_tokens,
@@ -201,8 +210,11 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     if top >= 0:
         prompt = attrs.evolve(prompt, token_bytes=state.tokenizer.token_bytes)
     fingerprint = system_fingerprint(state, request)
-    encoder = ChatEncoder(state.model_id, fingerprint, include_usage(body), prompt.token_bytes)
-    return Call(request, prompt, encoder, n)
+    tally = usage_tally(body, request, n)
+    encoder = ChatEncoder(
+        state.model_id, fingerprint, include_usage(body), prompt.token_bytes, tally=tally
+    )
+    return Call(request, prompt, encoder, n, tally)
 
 
 class ChatEncoder:
@@ -221,18 +233,21 @@ class ChatEncoder:
         *,
         index: int = 0,
         of: ChatEncoder | None = None,
+        tally: Tally | None = None,
     ):
         """token_bytes: a token id's bytes, where log-probs were asked for (else None).
-        index: the choice this encodes; of: choice 0's encoder, whose answer (its id and
-        clock) this is another choice of."""
+        index: the choice this encodes; of: choice 0's encoder, whose answer (its id, clock
+        and tally) this is another choice of; tally: where every event carries the usage so
+        far."""
         self.index = index
         self.token_bytes = token_bytes
         self.pending: list = []  # the TokenLogprobs of the content that comes next
         if of is not None:
-            self.rid, self.base = of.rid, of.base
+            self.rid, self.base, self.tally = of.rid, of.base, of.tally
         else:
             self.rid = "chatcmpl-" + secrets.token_hex(12)
             self.base = {"id": self.rid, "created": int(time.time()), "model": model}
+            self.tally = tally
         self.fingerprint = fingerprint
         self.usage_chunk = usage_chunk
         self.calls = 0
@@ -242,6 +257,8 @@ class ChatEncoder:
         choice = {"index": self.index, "delta": delta, "finish_reason": finish}
         if logprobs is not None:
             choice["logprobs"] = logprobs
+        if self.tally is not None and "usage" not in extra:
+            extra["usage"] = self.tally.usage(self.index)
         return frame(
             {
                 **self.base,
@@ -271,7 +288,9 @@ class ChatEncoder:
             return [self._chunk({"tool_calls": [call]})]
         # Content, or tool-call markup that did not parse
         if self.token_bytes is None:
-            return [self.content(item.text)]
+            if self.tally is None:
+                return [self.content(item.text)]
+            return [self._chunk({"content": item.text})]
         logprobs, self.pending = self._logprobs(self.pending), []
         return [self._chunk({"content": item.text}, logprobs=logprobs)]
 
@@ -280,7 +299,11 @@ class ChatEncoder:
 
     def finish_choice(self, done: Finished) -> list[Frame]:
         timings = attrs.asdict(done.timings)
-        return [self._chunk({}, chat.finish_reason(done, self.calls), timings=timings)]
+        reason = chat.finish_reason(done, self.calls)
+        if self.tally is not None:  # the choice's own count, now final
+            usage = usage_dict(done.usage, details=False)
+            return [self._chunk({}, reason, timings=timings, usage=usage)]
+        return [self._chunk({}, reason, timings=timings)]
 
     def finish_answer(self, done: Finished) -> list[Frame]:
         out = []

@@ -11,7 +11,7 @@ import attrs
 from ..events import Finished, TokenLogprob
 from . import structured
 from .chat import Answer, Logprobs
-from .driver import Call, Frame, OneFieldFrame, frame
+from .driver import Call, Frame, OneFieldFrame, Tally, frame
 from .errors import bad_request
 from .generation import (
     MAX_CHOICES,
@@ -21,7 +21,7 @@ from .generation import (
     encode_prompt,
     system_fingerprint,
 )
-from .openai_chat import error_frame, include_usage, usage_dict
+from .openai_chat import error_frame, include_usage, usage_dict, usage_tally
 from .state import ServerState
 from .validate import Body
 
@@ -51,8 +51,11 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     request = await structured.constrain(state, request, None, answer=answer)
     fingerprint = system_fingerprint(state, request)
     token_text = None if top is None else _token_text(state.tokenizer)
-    encoder = CompletionEncoder(state.model_id, fingerprint, include_usage(body), token_text)
-    return Call(request, None, encoder, n)
+    tally = usage_tally(body, request, n)
+    encoder = CompletionEncoder(
+        state.model_id, fingerprint, include_usage(body), token_text, tally=tally
+    )
+    return Call(request, None, encoder, n, tally)
 
 
 class CompletionEncoder:
@@ -70,17 +73,20 @@ class CompletionEncoder:
         *,
         index: int = 0,
         of: CompletionEncoder | None = None,
+        tally: Tally | None = None,
     ):
         """token_text: a token id's text, where log-probs were asked for (else None).
-        index: the choice this encodes; of: choice 0's encoder, whose answer (its id and
-        clock) this is another choice of."""
+        index: the choice this encodes; of: choice 0's encoder, whose answer (its id, clock
+        and tally) this is another choice of; tally: where every event carries the usage so
+        far."""
         self.token_text = token_text
         self.index = index
         self.pending: list[TokenLogprob] = []  # those of the text that comes next
         self.offset = 0  # characters of the answer so far (each token's text_offset)
         if of is not None:
-            self.rid, self.base = of.rid, of.base
+            self.rid, self.base, self.tally = of.rid, of.base, of.tally
         else:
+            self.tally = tally
             self.rid = "cmpl-" + secrets.token_hex(12)
             self.base = {
                 "id": self.rid,
@@ -107,18 +113,29 @@ class CompletionEncoder:
         if isinstance(item, Logprobs):
             self.pending.extend(item.entries)
             return []
-        if self.token_text is None:
+        if self.token_text is None and self.tally is None:
             return [self.text(item.text)]
-        choice = {**_choice(item.text, self.index), "logprobs": self._logprobs(self.pending)}
-        self.pending = []
-        return [frame({**self.base, "choices": [choice]})]
+        choice = _choice(item.text, self.index)
+        if self.token_text is not None:
+            choice["logprobs"], self.pending = self._logprobs(self.pending), []
+        return [self._event(choice)]
 
     def finish(self, done: Finished) -> list[Frame]:
         return [*self.finish_choice(done), *self.finish_answer(done)]
 
     def finish_choice(self, done: Finished) -> list[Frame]:
         choice = _choice("", self.index, done.reason)
-        return [frame({**self.base, "choices": [choice], "timings": attrs.asdict(done.timings)})]
+        timings = attrs.asdict(done.timings)
+        if self.tally is not None:  # the choice's own count, now final
+            usage = usage_dict(done.usage, details=False)
+            return [self._event(choice, timings=timings, usage=usage)]
+        return [self._event(choice, timings=timings)]
+
+    def _event(self, choice: dict, **extra) -> Frame:
+        """One text_completion event of this choice; with the usage so far where tallied."""
+        if self.tally is not None and "usage" not in extra:
+            extra["usage"] = self.tally.usage(self.index)
+        return frame({**self.base, "choices": [choice], **extra})
 
     def finish_answer(self, done: Finished) -> list[Frame]:
         out = []
