@@ -361,6 +361,59 @@ class DecodeStack {
   float eps_;
 };
 
+// A prefill chunk's norms, RoPE and SiLU (Model.forward's, where the CPU kernels are
+// loaded) with the decode step's own arithmetic above, row by row on torch's threads: ~25
+// small torch ops a layer each made a pass over the chunk's activations and left the other
+// thread waiting (~13% of SmolLM2's 2k-token prefill here).
+
+// x [rows, n] (rows may be strided), w [n]: each row's RMSNorm, [rows, n].
+static torch::Tensor rows_rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 &&
+                  w.scalar_type() == torch::kFloat && w.is_contiguous() &&
+                  w.numel() == x.size(1), "x [rows, n] float32, w [n] float32");
+  const int64_t n = x.size(1), stride = x.stride(0);
+  auto out = torch::empty({x.size(0), n}, x.options());
+  const float *in = x.data_ptr<float>(), *weight = w.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  parallel_chunks(x.size(0), 8, [&](int64_t r) {
+    rms_norm(in + r * stride, weight, o + r * n, n, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// gu [rows, 2 n], each row [gate | up]: silu(gate) * up, [rows, n].
+static torch::Tensor rows_silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == torch::kFloat && gu.is_contiguous() &&
+                  gu.size(1) % 2 == 0, "gu [rows, 2 n] float32, contiguous");
+  const int64_t n = gu.size(1) / 2;
+  auto out = torch::empty({gu.size(0), n}, gu.options());
+  const float* in = gu.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  parallel_chunks(gu.size(0), 8, [&](int64_t r) { silu_mul(in + r * 2 * n, o + r * n, n); });
+  return out;
+}
+
+// x [rows, heads, hd] (rows may be strided), cos and sin [rows, hd / 2]: rotate-half RoPE of
+// every head, [rows, heads, hd].
+static torch::Tensor rows_rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.stride(2) == 1 &&
+                  x.stride(1) == x.size(2) && x.size(2) % 2 == 0, "x [rows, heads, hd] float32");
+  const int64_t rows = x.size(0), heads = x.size(1), hd = x.size(2), half = hd / 2;
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+                  cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
+                  cos.size(0) == rows && cos.size(1) == half, "cos, sin [rows, hd / 2] float32");
+  auto out = torch::empty({rows, heads, hd}, x.options());
+  const float *in = x.data_ptr<float>(), *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t stride = x.stride(0);
+  parallel_chunks(rows, 8, [&](int64_t r) {
+    float* row = o + r * heads * hd;
+    std::copy_n(in + r * stride, heads * hd, row);
+    for (int64_t h = 0; h < heads; ++h) rope(row + h * hd, c + r * half, s + r * half, half);
+  });
+  return out;
+}
+
 // What this build's code uses, as the ready line and /v1/models name it.
 static std::string isa() {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -384,6 +437,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x . W^T, W a GGUF's Q6_K blocks packed by pack_q6, x rounded to int16 per 32");
   m.def("q4a8_linear", &q4a8_linear, "q4_linear with x rounded to int8 per block of 32");
   m.def("q4a16_linear", &q4a16_linear, "q4_linear with x rounded to int16 per block of 32");
+  m.def("rows_rms_norm", &rows_rms_norm, "each row's RMSNorm, as a decode step's");
+  m.def("rows_silu_mul", &rows_silu_mul, "silu(gate) * up of rows [gate | up], as a decode step's");
+  m.def("rows_rope", &rows_rope, "rotate-half RoPE of rows [rows, heads, hd], as a decode step's");
   m.def("prefill_attention", &prefill_attention,
         "causal attention of a chunk at positions start.. over one slot's cache "
         "(float32 or float16)");

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,34 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up, gate_up holding [gate | up] in its last dimension."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class KernelGlue:
+    """rms_norm, apply_rope and silu_mul on the CPU kernels (decode_layers.cpp's rows_*): the
+    decode step's own arithmetic, one call each, for float32 rows on the CPU. torch's ops
+    took ~13% of a 2k-token SmolLM2 prefill here, a pass over the chunk per op."""
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return self.kernels.rows_rms_norm(x, weight, eps)
+
+    def apply_rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return self.kernels.rows_rope(x, cos, sin)
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        return self.kernels.rows_silu_mul(gate_up)
+
+
+# The same three in torch, for every other device and dtype.
+TORCH_GLUE = SimpleNamespace(rms_norm=rms_norm, apply_rope=apply_rope, silu_mul=silu_mul)
 
 
 # CPU sgemm rounds a row differently depending on how many rows share the call (MKL on
@@ -140,6 +169,9 @@ class Model:
             if self.device.type == "cpu" and dtype == torch.float32 and cfg.head_dim % 8 == 0
             else None
         )
+        # And its norms, RoPE and SiLU, with the decode stack's arithmetic.
+        kernels = self.attention_kernels
+        self.glue = KernelGlue(kernels) if kernels is not None else TORCH_GLUE
 
     def _decode_stack(self):
         """The whole decode step as one call into the CPU kernels, where every layer matrix
@@ -201,12 +233,12 @@ class Model:
 
         token_ids and positions are [T]; returns the final hidden states [T, d_model].
         """
-        cfg = self.cfg
+        cfg, glue = self.cfg, self.glue
         x = F.embedding(token_ids, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]
         nq, nkv, hd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.head_dim
         for i, w in enumerate(self.layers):
-            h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
+            h = glue.rms_norm(x, w["attn_norm"], cfg.norm_eps)
             qkv = linear(h, w["wqkv"], w["bqkv"])
             # q and k heads side by side: one RoPE call for both.
             qk = qkv[:, : nq + nkv].view(-1, cfg.n_heads + cfg.n_kv_heads, hd)
@@ -215,13 +247,12 @@ class Model:
                 q, k = qk[:, : cfg.n_heads], qk[:, cfg.n_heads :]
                 qk = torch.cat([rms_norm(q, w["q_norm"], cfg.norm_eps),
                                 rms_norm(k, w["k_norm"], cfg.norm_eps)], dim=1)  # fmt: skip
-            qk = apply_rope(qk, cos, sin)
+            qk = glue.apply_rope(qk, cos, sin)
             q, k = qk[:, : cfg.n_heads], qk[:, cfg.n_heads :]
             x = x + linear(attend(i, q, k, v), w["wo"])
-            h = rms_norm(x, w["ffn_norm"], cfg.norm_eps)
-            gate, up = linear(h, w["w_gate_up"]).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, w["w_down"])
-        return rms_norm(x, self.final_norm, cfg.norm_eps)
+            h = glue.rms_norm(x, w["ffn_norm"], cfg.norm_eps)
+            x = x + linear(glue.silu_mul(linear(h, w["w_gate_up"])), w["w_down"])
+        return glue.rms_norm(x, self.final_norm, cfg.norm_eps)
 
     def logits(self, hidden: Tensor, *, row_invariant: bool = False) -> Tensor:
         """Project hidden states to float32 vocabulary logits (row_invariant: each row's
