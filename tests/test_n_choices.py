@@ -105,13 +105,18 @@ def test_four_choices_are_their_derived_seeds_alone(client, ask):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
-@pytest.mark.parametrize("route", [CHAT, "/v1/completions"])
-def test_continuous_usage_counts_each_choice_apart(choices_server, route):
+def story(route: str, n: int) -> dict:
+    """A seeded request for n choices of a 12-token story, on the chat or completions route."""
     if route == CHAT:
         body = {"messages": [{"role": "user", "content": "Tell me a story about the sea."}]}
     else:
         body = {"prompt": "Once upon a time, by the sea,"}
-    body |= {"n": 3, "seed": SEED, "temperature": 1, "max_tokens": 12}
+    return body | {"n": n, "seed": SEED, "temperature": 1, "max_tokens": 12}
+
+
+@pytest.mark.parametrize("route", [CHAT, "/v1/completions"])
+def test_continuous_usage_counts_each_choice_apart(choices_server, route):
+    body = story(route, 3)
     whole = httpx.post(choices_server.url + route, json=body, timeout=60).json()
     options = {"include_usage": True, "continuous_usage_stats": True}
     r = httpx.post(
@@ -138,11 +143,7 @@ def test_continuous_usage_counts_each_choice_apart(choices_server, route):
 
 @pytest.mark.parametrize(("route", "field"), [(CHAT, "delta"), ("/v1/completions", "text")])
 def test_streamed_choices_carry_their_index_and_end_once(choices_server, route, field):
-    if route == CHAT:
-        body = {"messages": [{"role": "user", "content": "Tell me a story about the sea."}]}
-    else:
-        body = {"prompt": "Once upon a time, by the sea,"}
-    body |= {"n": 4, "seed": SEED, "temperature": 1, "max_tokens": 12}
+    body = story(route, 4)
     whole = httpx.post(choices_server.url + route, json=body, timeout=60).json()
     r = httpx.post(
         choices_server.url + route,
