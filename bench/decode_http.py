@@ -44,7 +44,12 @@ class SteadyWindow:
     """Marks steady decoding: every stream has its first token, and none is near its end.
 
     The bench reads the server's counters only at these two edges: a /metrics scrape costs
-    the server ~2.5 ms, so sampling through the run would bill the bench to the server."""
+    the server ~2.5 ms, so sampling through the run would bill the bench to the server.
+    It counts content chunks, a token each from llama-server. mashbox's decode bursts send
+    several tokens an event, so there no stream reaches end_piece and the window ends when
+    the first stream ends (one_stream), its last tokens and usage event included. Asking for
+    `continuous_usage_stats` would count tokens exactly, but its events leave the encoder's
+    one-field fast path, so the bench would no longer measure what other clients get."""
 
     def __init__(self, streams: int, tokens: int):
         self.waiting_for_first = streams
