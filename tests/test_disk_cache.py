@@ -138,6 +138,17 @@ def test_another_models_file_is_removed(tiny_llama, tiny_qwen2, tmp_path):
     assert e.disk.read(renamed.stem, PROMPT[:N]) is None
 
 
+def test_another_versions_file_is_removed(tiny_llama, tmp_path, monkeypatch):
+    """A file written by other engine code (an older mashbox) may hold other bits for the
+    same prompt: removed at the start, never loaded."""
+    written = _written(tiny_llama, tmp_path)
+    key = engine(tiny_llama, tmp_path / "empty").info.disk_key
+    monkeypatch.setattr(disk_cache, "engine_code", lambda: "another version")
+    e = engine(tiny_llama, tmp_path)
+    assert e.info.disk_key != key
+    assert e.info.disk_entries == () and not written.exists()
+
+
 def test_the_start_keeps_the_directory_under_its_cap(tiny_llama, tmp_path):
     """Least recently used (by mtime: a restore touches its file) go first."""
     e = engine(tiny_llama, tmp_path)

@@ -9,15 +9,16 @@ One file per prefix, named by `prompt_cache.disk_name(key, tenant, tokens)`:
     magic (8) | version (u32) | header length (u32) | sha256 of the header (32) | header | KV
 
 The header (JSON) holds the engine's key (model checksum, KV layout and what computes the
-KV: see `disk_key`), the tenant, the token ids, the payload's size and crc32. The payload is
-K then V, each [layers, kv_heads, tokens, head_dim] in the cache's dtype. A file is written
-under a temporary name and renamed, so a crash leaves a stray temporary file, never a torn
-entry under a real name. A file whose header, size, name or crc32 does not match is removed,
+KV, the engine's own code included: see `disk_key`), the tenant, the token ids, the
+payload's size and crc32. The payload is K then V, each [layers, kv_heads, tokens,
+head_dim] in the cache's dtype. A file is written under a temporary name and renamed, so a
+crash leaves a stray temporary file, never a torn entry under a real name. A file whose header, size, name or crc32 does not match is removed,
 never loaded: the engine prefills those tokens instead (`Engine` on a failed restore).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -57,16 +58,29 @@ def for_engine(root: Path, cap_bytes: int, model_sha: str, model_path: Path, eng
         "kernels": kernels,
         "device": engine.device.type,
         "torch": torch.__version__,
+        "engine": engine_code(),
     }
     key = disk_key(model_sha or weights_sha(model_path, None), layout, compute)
     dims = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
     return DiskCache(root, cap_bytes, key, engine.cache.k.dtype, dims)
 
 
+@functools.cache
+def engine_code() -> str:
+    """A digest of the engine's own code (this package's sources): another version of mashbox
+    may compute other bits for the same prompt (stop 44's prefill norms did), so the files it
+    wrote are another engine's."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.iterdir()):
+        if path.suffix in (".py", ".cpp", ".h"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def disk_key(model_sha: str, layout: dict, compute: dict) -> str:
     """What a file's KV is valid for: the model's checksum, the cache's layout (dtype and
-    shape) and what computed it (decode weights, kernels, device, torch), so a restored
-    prefix is bit for bit what this engine's own prefill writes."""
+    shape) and what computed it (decode weights, kernels, device, torch, the engine's code),
+    so a restored prefix is bit for bit what this engine's own prefill writes."""
     value = {"model": model_sha, "layout": layout, "compute": compute}
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
