@@ -12,8 +12,9 @@ The header (JSON) holds the engine's key (model checksum, KV layout and what com
 KV, the engine's own code included: see `disk_key`), the tenant, the token ids, the
 payload's size and crc32. The payload is K then V, each [layers, kv_heads, tokens,
 head_dim] in the cache's dtype. A file is written under a temporary name and renamed, so a
-crash leaves a stray temporary file, never a torn entry under a real name. A file whose header, size, name or crc32 does not match is removed,
-never loaded: the engine prefills those tokens instead (`Engine` on a failed restore).
+crash leaves a stray temporary file, never a torn entry under a real name. A file whose
+header, size, name or crc32 does not match is removed, never loaded: the engine prefills
+those tokens instead (`Engine` on a failed restore).
 """
 
 from __future__ import annotations
