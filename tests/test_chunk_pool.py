@@ -5,6 +5,9 @@ thread computes a tile never changes its bits."""
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,3 +83,19 @@ def test_a_forked_process_starts_its_own_helpers(threads):
     finally:
         process.join(10)
         process.kill()
+
+
+@pytest.mark.parametrize("standard", ["c++17", "c++20"])
+def test_helpers_asleep_wake_for_the_next_job(standard, tmp_path):
+    """torch's extension builder asks for C++17 before torch 2.12, which has no
+    std::atomic::wait: there the helpers sleep on a futex of their own. Either way a job
+    after they fell asleep wakes them (a pool that did not would still finish it, alone)."""
+    engine = Path(kernel_build.__file__).parent
+    program = tmp_path / "wake"
+    cxx = os.environ.get("CXX", "c++")
+    source = Path(__file__).parent / "support" / "chunk_pool_wake.cpp"
+    build = [cxx, f"-std={standard}", "-O2", "-pthread", f"-I{engine}", str(source), "-o"]
+    subprocess.run([*build, str(program)], check=True, capture_output=True, timeout=120)
+    out = subprocess.run([str(program)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout
+    assert out.stdout.startswith("ok: futex" if standard == "c++17" else "ok: std::atomic")

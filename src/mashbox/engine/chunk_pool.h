@@ -20,6 +20,16 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+// std::atomic's wait and notify are C++20 (libstdc++ 11 on), and torch's extension builder
+// asks for C++17 before torch 2.12: there the helpers sleep on a futex of their own.
+#if !defined(__cpp_lib_atomic_wait) || defined(MASHBOX_FUTEX)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <climits>
+#define MASHBOX_FUTEX 1
+#endif
 
 class ChunkPool {
  public:
@@ -83,7 +93,7 @@ class ChunkPool {
     }
     rest_.store(false, std::memory_order_relaxed);
     generation_.store(job);  // seq_cst, against a helper's going to sleep (helper())
-    if (sleeping_.load() > 0) generation_.notify_all();
+    if (sleeping_.load() > 0) wake_all(generation_);
     work(job, 0);
     for (Prefetch p(next, 0, helpers + 1, shares_[0]); done(helpers + 1) < units;)
       if (!p.step()) pause();  // only chunks in flight
@@ -147,6 +157,25 @@ class ChunkPool {
 
   // Helpers are detached: a forked child has none of them, and starts its own (told so by
   // pthread_atfork: getpid() at every call was a system call, ~60 ns hot, 151 times a step).
+  // Sleep while `word` holds `seen` (spurious wake-ups allowed); wake every sleeper.
+  static void sleep_while(std::atomic<uint32_t>& word, uint32_t seen) {
+#ifdef MASHBOX_FUTEX
+    static_assert(sizeof(word) == sizeof(uint32_t), "a futex is one 32-bit word");
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT_PRIVATE, seen, nullptr,
+            nullptr, 0);
+#else
+    word.wait(seen);
+#endif
+  }
+  static void wake_all(std::atomic<uint32_t>& word) {
+#ifdef MASHBOX_FUTEX
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+            nullptr, 0);
+#else
+    word.notify_all();
+#endif
+  }
+
   ChunkPool() { pthread_atfork(nullptr, nullptr, [] { get().started_ = 0; }); }
   void start_helpers(int helpers) {
     for (; started_ < helpers; ++started_)
@@ -171,7 +200,7 @@ class ChunkPool {
           continue;
         }
         sleeping_.fetch_add(1);
-        generation_.wait(seen);
+        sleep_while(generation_, seen);
         sleeping_.fetch_sub(1);
         spin_until = std::chrono::steady_clock::now() + SPIN;
       }

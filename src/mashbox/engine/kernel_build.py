@@ -237,8 +237,10 @@ def compile_module(flags: tuple[str, ...], where: Path):
     return build(
         module_name(where),
         sources=[str(s) for s in COMPILED],
-        # OpenMP binds to the libgomp torch has loaded: one thread pool for both.
-        extra_cflags=["-O3", *flags, "-fopenmp"],
+        # OpenMP binds to the libgomp torch has loaded: one thread pool for both. C++20
+        # (std::numbers, atomic waits), which torch's builder asks for only from torch 2.12:
+        # the last -std wins.
+        extra_cflags=["-O3", "-std=c++20", *flags, "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(where),
     )
