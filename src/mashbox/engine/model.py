@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from types import SimpleNamespace
 
 import torch
@@ -15,6 +17,8 @@ from .decode_weight import DecodeWeight, decode_weight_for, linear, most_compact
 from .int8_weight import INT8_MAX_ROWS
 from .kv_cache import KVCache
 from .sampling import DecodeLogits
+
+log = logging.getLogger("mashbox")
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -46,10 +50,17 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual stream after adding `delta`, and its RMSNorm."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
 class KernelGlue:
-    """rms_norm, apply_rope and silu_mul on the CPU kernels (decode_layers.cpp's rows_*): the
-    decode step's own arithmetic, one call each, for float32 rows on the CPU. torch's ops
-    took ~13% of a 2k-token SmolLM2 prefill here, a pass over the chunk per op."""
+    """rms_norm, apply_rope and silu_mul (and the residual add before a norm) on the CPU
+    kernels (decode_layers.cpp's rows_*): the decode step's own arithmetic, one call each,
+    for float32 rows on the CPU. torch's ops took ~13% of a 2k-token SmolLM2 prefill here, a
+    pass over the chunk per op."""
 
     def __init__(self, kernels):
         self.kernels = kernels
@@ -63,9 +74,57 @@ class KernelGlue:
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         return self.kernels.rows_silu_mul(gate_up)
 
+    def add_rms_norm(self, x: Tensor, delta: Tensor, weight: Tensor, eps: float):
+        x = x + delta
+        return x, self.kernels.rows_rms_norm(x, weight, eps)
 
-# The same three in torch, for every other device and dtype.
-TORCH_GLUE = SimpleNamespace(rms_norm=rms_norm, apply_rope=apply_rope, silu_mul=silu_mul)
+
+# The same in torch, for every other device and dtype.
+TORCH_GLUE = SimpleNamespace(
+    rms_norm=rms_norm, apply_rope=apply_rope, silu_mul=silu_mul, add_rms_norm=add_rms_norm
+)
+
+
+def compiled_glue() -> SimpleNamespace:
+    """TORCH_GLUE through torch.compile, for CUDA: a decode step there is a CUDA graph of
+    small kernels, one per torch op (~30 a layer), which with their gaps took ~45% of an 8B
+    model's batch-1 step on an H200. Compiled, each function is one kernel: 1,105 kernels a
+    step -> 526, 7.11 -> 5.93 ms (bench/gpu_check.py). Shapes are dynamic, so every batch
+    and chunk size shares one compile."""
+    return SimpleNamespace(
+        **{
+            name: torch.compile(op, dynamic=True, fullgraph=True)
+            for name, op in vars(TORCH_GLUE).items()
+        }
+    )
+
+
+GLUE_ENV = "MASHBOX_CUDA_GLUE"  # "torch": torch's ops one by one on CUDA, not compiled
+
+
+def cuda_glue(model: Model) -> SimpleNamespace:
+    """compiled_glue, compiled now: a forward of 1 and of 2 tokens in inference mode, as the
+    engine's steps run (torch.compile specialises on a size of 1, and guards on strides and
+    inference tensors: anything else would compile again at the first request, after ready).
+    torch's ops, with a warning, where it does not compile (no Triton, say) or
+    $MASHBOX_CUDA_GLUE is "torch"."""
+    if os.environ.get(GLUE_ENV, "compiled") == "torch":
+        return TORCH_GLUE
+    log.info("compiling the norms, RoPE and SiLU with torch.compile (cached once built)")
+    glue = model.glue = compiled_glue()  # forward() reads the model's
+    try:
+        with torch.inference_mode():
+            for rows in (1, 2):
+                ids = torch.zeros(rows, dtype=torch.long, device=model.device)
+                positions = torch.arange(rows, device=model.device)
+                model.forward(ids, positions, lambda i, q, k, v: q.reshape(q.shape[0], -1))
+    except Exception as e:
+        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]  # inductor's: many lines
+        log.warning("torch.compile failed (%s): norms, RoPE and SiLU run as torch's ops one "
+                    "by one, a slower decode step (set %s=torch to skip the attempt)",
+                    reason, GLUE_ENV)  # fmt: skip
+        return TORCH_GLUE
+    return glue
 
 
 # CPU sgemm rounds a row differently depending on how many rows share the call (MKL on
@@ -169,9 +228,15 @@ class Model:
             if self.device.type == "cpu" and dtype == torch.float32 and cfg.head_dim % 8 == 0
             else None
         )
-        # And its norms, RoPE and SiLU, with the decode stack's arithmetic.
+        # And its norms, RoPE and SiLU: with the decode stack's arithmetic there, compiled
+        # on CUDA, torch's ops elsewhere.
         kernels = self.attention_kernels
-        self.glue = KernelGlue(kernels) if kernels is not None else TORCH_GLUE
+        if kernels is not None:
+            self.glue = KernelGlue(kernels)
+        elif self.device.type == "cuda":
+            self.glue = cuda_glue(self)
+        else:
+            self.glue = TORCH_GLUE
 
     def _decode_stack(self):
         """The whole decode step as one call into the CPU kernels, where every layer matrix
@@ -233,12 +298,12 @@ class Model:
 
         token_ids and positions are [T]; returns the final hidden states [T, d_model].
         """
-        cfg, glue = self.cfg, self.glue
+        cfg, glue, eps = self.cfg, self.glue, self.cfg.norm_eps
         x = F.embedding(token_ids, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]
         nq, nkv, hd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.head_dim
+        h = glue.rms_norm(x, self.layers[0]["attn_norm"], eps)
         for i, w in enumerate(self.layers):
-            h = glue.rms_norm(x, w["attn_norm"], cfg.norm_eps)
             qkv = linear(h, w["wqkv"], w["bqkv"])
             # q and k heads side by side: one RoPE call for both.
             qk = qkv[:, : nq + nkv].view(-1, cfg.n_heads + cfg.n_kv_heads, hd)
@@ -249,10 +314,13 @@ class Model:
                                 rms_norm(k, w["k_norm"], cfg.norm_eps)], dim=1)  # fmt: skip
             qk = glue.apply_rope(qk, cos, sin)
             q, k = qk[:, : cfg.n_heads], qk[:, cfg.n_heads :]
-            x = x + linear(attend(i, q, k, v), w["wo"])
-            h = glue.rms_norm(x, w["ffn_norm"], cfg.norm_eps)
-            x = x + linear(glue.silu_mul(linear(h, w["w_gate_up"])), w["w_down"])
-        return glue.rms_norm(x, self.final_norm, cfg.norm_eps)
+            x, h = glue.add_rms_norm(x, linear(attend(i, q, k, v), w["wo"]), w["ffn_norm"], eps)
+            down = linear(glue.silu_mul(linear(h, w["w_gate_up"])), w["w_down"])
+            last = i + 1 == len(self.layers)
+            x, h = glue.add_rms_norm(
+                x, down, self.final_norm if last else self.layers[i + 1]["attn_norm"], eps
+            )
+        return h
 
     def logits(self, hidden: Tensor, *, row_invariant: bool = False) -> Tensor:
         """Project hidden states to float32 vocabulary logits (row_invariant: each row's

@@ -1,0 +1,104 @@
+"""A CUDA model's norms, RoPE and SiLU: torch's ops through torch.compile (one kernel each
+instead of ~7 in a decode step's graph). Checked here on the CPU, where inductor compiles to
+C++ rather than Triton (bench/gpu_check.py runs them on a GPU), and the fallback to torch's
+ops where compiling fails."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from mashbox.engine import model as model_module
+from mashbox.engine.engine import Engine, compiles_so_far
+from mashbox.engine.graph_decode import GraphDecoder
+from mashbox.engine.kv_cache import KVCache
+from mashbox.engine.model import GLUE_ENV, TORCH_GLUE, cuda_glue
+from support.tinymodels import no_tokenizer, random_weights, write_gguf
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    weights = random_weights(vocab=97, seed=3)
+    path = write_gguf(tmp_path_factory.mktemp("glue") / "m.gguf", weights, no_tokenizer)
+    return Engine(path, slots=2, ctx=64, graph_decode=False).model
+
+
+@pytest.fixture(scope="module")
+def compiled(model):
+    return cuda_glue(model)
+
+
+def test_the_model_compiles_its_glue(compiled):
+    assert compiled is not TORCH_GLUE
+    assert set(vars(compiled)) == set(vars(TORCH_GLUE))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7])
+def test_each_compiled_op_computes_what_torch_ops_compute(compiled, rows):
+    g = torch.Generator().manual_seed(rows)
+    x, delta, w = (torch.randn(rows, 64, generator=g) for _ in range(3))
+    qk, cs = torch.randn(rows, 6, 16, generator=g), torch.rand(2, rows, 8, generator=g)
+    cases = {
+        "rms_norm": (x, w[0], 1e-5),
+        "add_rms_norm": (x, delta, w[0], 1e-5),
+        "apply_rope": (qk, cs[0], cs[1]),
+        "silu_mul": (torch.randn(rows, 256, generator=g),),
+    }
+    for name, args in cases.items():
+        torch.testing.assert_close(getattr(compiled, name)(*args), getattr(TORCH_GLUE, name)(*args))
+
+
+def test_a_prefill_through_the_compiled_glue_matches_torch_ops(model, compiled):
+    """The whole forward, its residual adds fused into the next norm."""
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    kept = model.glue
+    try:
+        hidden = {}
+        for name, glue in (("torch", TORCH_GLUE), ("compiled", compiled)):
+            model.glue = glue
+            cache = KVCache(model.cfg, 1, 64, model.device, model.dtype)
+            hidden[name] = model.prefill(cache, 0, 0, ids, all_rows=True)
+    finally:
+        model.glue = kept
+    torch.testing.assert_close(hidden["compiled"], hidden["torch"])
+
+
+def test_nothing_compiles_again_after_the_warm_up(model, compiled):
+    """What a server's steps do after ready (compiles_after_ready): prefill chunks and decode
+    batches of any size, in inference mode, on fresh tensors."""
+    kept, model.glue = model.glue, compiled
+    before = compiles_so_far()
+    try:
+        with torch.inference_mode():
+            cache = KVCache(model.cfg, 3, 64, model.device, model.dtype, scratch_slot=True)
+            for n in (1, 2, 5, 13):
+                model.prefill(cache, 0, 0, torch.arange(n) % 97)
+            decoder = GraphDecoder(model, cache, capture=False)  # CUDA's decode step, eager
+            for rows in (1, 2, 3):
+                decoder.decode(list(range(rows)), torch.arange(rows), torch.full((rows,), 13))
+    finally:
+        model.glue = kept
+    assert compiles_so_far() == before
+
+
+def test_a_failed_compile_falls_back_to_torch_ops_with_a_warning(model, monkeypatch, caplog):
+    def broken(*args):
+        raise RuntimeError("no Triton here")
+
+    names = vars(TORCH_GLUE)
+    monkeypatch.setattr(
+        model_module, "compiled_glue", lambda: type(TORCH_GLUE)(**dict.fromkeys(names, broken))
+    )
+    with caplog.at_level(logging.WARNING, logger="mashbox"):
+        assert cuda_glue(model) is TORCH_GLUE
+    assert [r.message for r in caplog.records if "torch.compile failed" in r.message] == [
+        "torch.compile failed (RuntimeError: no Triton here): norms, RoPE and SiLU run as "
+        f"torch's ops one by one, a slower decode step (set {GLUE_ENV}=torch to skip the attempt)"
+    ]
+
+
+def test_the_environment_can_turn_compiling_off(model, monkeypatch):
+    monkeypatch.setenv(GLUE_ENV, "torch")
+    assert cuda_glue(model) is TORCH_GLUE
