@@ -33,6 +33,7 @@ The script itself, on a CPU, in seconds:  .venv/bin/python bench/gpu_check.py --
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -50,7 +51,7 @@ from mashbox.engine.config import ModelConfig  # noqa: E402
 from mashbox.engine.engine import Engine, compiles_so_far  # noqa: E402
 from mashbox.engine.graph_decode import GraphDecoder, reads_in_place  # noqa: E402
 from mashbox.engine.kv_cache import KVCache  # noqa: E402
-from mashbox.engine.model import Model  # noqa: E402
+from mashbox.engine.model import TORCH_GLUE, Model, cuda_glue  # noqa: E402
 from support.tinymodels import no_tokenizer, random_weights, step_by_step, write_gguf  # noqa: E402
 
 BANDWIDTH = 4.8e12  # bytes/s: the H200's HBM3e, by its datasheet
@@ -170,32 +171,101 @@ def median_seconds(step, device: torch.device, warmup: int, steps: int) -> float
     return statistics.median(times)
 
 
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes a second of a large device-to-device copy, read plus written (the ceiling a
+    decode step's weight reads can hope for); 0 off CUDA."""
+    if device.type != "cuda":
+        return 0.0
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src), device, 3, 10)
+    return 2 * src.numel() / seconds
+
+
+def kernel_profile(step, top: int = 6) -> dict:
+    """One step under torch's profiler: its kernels' count and summed time, the costliest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    costliest = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {
+        "kernels": len(kernels),
+        "kernel_us": round(sum(sum(v) for v in by_name.values()), 1),
+        "top": [[name[:60], len(v), round(sum(v), 1)] for name, v in costliest],
+    }
+
+
 @torch.inference_mode()
 def speed(cfg, device: torch.device, *, slots, ctx, batches, warmup, steps, fill) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(cfg, device, dtype, ctx)
+    # Norms, RoPE and SiLU as the model runs them on this device, then as torch's ops.
+    glues = {"compiled": cuda_glue(model), "torch": TORCH_GLUE} if device.type == "cuda" else {}
+    glues = glues or {"torch": TORCH_GLUE}
     cache = KVCache(cfg, slots, ctx, device, dtype, scratch_slot=True)
     # As if each slot held some earlier prompt: `fill` positions of random KV.
     cache.k.normal_()
     cache.v.normal_()
     generator = torch.Generator().manual_seed(1)
     lengths = torch.randint(fill[0], fill[1], (slots,), generator=generator).tolist()
-    compiles, t0 = compiles_so_far(), time.perf_counter()
-    decoder = GraphDecoder(model, cache)
-    capture = {
-        "graphs": len(decoder.graphs),
-        "compiles": compiles_so_far() - compiles,
-        "seconds": round(time.perf_counter() - t0, 2),
-        "eager_reason": decoder.eager_reason,
-    }
     weight_bytes = model.decode_nbytes
     limit_s = weight_bytes / BANDWIDTH
-    modes = {
-        "reference": lambda s, i, p: model.decode(cache, s, i, p),  # the model alone: per row
-        "fixed-eager": lambda s, i, p: decoder.decode(s, i, p, eager=True),
-        "graph": lambda s, i, p: decoder.decode(s, i, p),
+    rows, captures, profiles = [], {}, {}
+    for glue_name, glue in glues.items():
+        model.glue = glue
+        compiles, t0 = compiles_so_far(), time.perf_counter()
+        decoder = GraphDecoder(model, cache)
+        captures[glue_name] = {
+            "graphs": len(decoder.graphs),
+            "compiles": compiles_so_far() - compiles,
+            "seconds": round(time.perf_counter() - t0, 2),
+            "eager_reason": decoder.eager_reason,
+        }
+        modes = {
+            "fixed-eager": lambda s, i, p, d=decoder: d.decode(s, i, p, eager=True),
+            "graph": lambda s, i, p, d=decoder: d.decode(s, i, p),
+        }
+        if not rows:  # the model alone, per row: once
+            modes = {"reference": lambda s, i, p: model.decode(cache, s, i, p), **modes}
+        rows += speed_rows(cfg, model, cache, decoder, modes, lengths, batches, warmup, steps)
+        for row in rows:
+            row.setdefault("glue", glue_name)
+        if device.type == "cuda":
+            one = (torch.tensor([7], device=device), torch.tensor([lengths[0]], device=device))
+            try:
+                profiles[glue_name] = kernel_profile(
+                    functools.partial(decoder.decode, [0], *one, eager=True)
+                )
+            except Exception as e:  # a profile is a bonus: the numbers above stand alone
+                profiles[glue_name] = {"kernels": 0, "kernel_us": 0, "top": [[repr(e), 0, 0]]}
+    memory = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    return {
+        "shape": "llama-3-8b" if cfg == LLAMA3_8B else "smoke",
+        "dtype": str(dtype).removeprefix("torch."),
+        "slots": slots,
+        "ctx": ctx,
+        "weight_bytes": weight_bytes,
+        "limit_ms": round(limit_s * 1e3, 3),
+        "bandwidth": BANDWIDTH,
+        "copy_bandwidth": copy_bandwidth(device),
+        "capture": captures,
+        "profile_batch_1_eager": profiles,
+        "max_memory_allocated": memory,
+        "steps": rows,
     }
-    rows = []
+
+
+def speed_rows(cfg, model, cache, decoder, modes, lengths, batches, warmup, steps) -> list:
+    device, rows = model.device, []
+    limit_s = model.decode_nbytes / BANDWIDTH
     for batch in batches:
         slots_b = list(range(batch))
         for mode, decode in modes.items():
@@ -227,19 +297,7 @@ def speed(cfg, device: torch.device, *, slots, ctx, batches, warmup, steps, fill
                     "bucket": [b, length],
                 }
             )
-    memory = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    return {
-        "shape": "llama-3-8b" if cfg == LLAMA3_8B else "smoke",
-        "dtype": str(dtype).removeprefix("torch."),
-        "slots": slots,
-        "ctx": ctx,
-        "weight_bytes": weight_bytes,
-        "limit_ms": round(limit_s * 1e3, 3),
-        "bandwidth": BANDWIDTH,
-        "capture": capture,
-        "max_memory_allocated": memory,
-        "steps": rows,
-    }
+    return rows
 
 
 # Report -----------------------------------------------------------------------------------
@@ -257,17 +315,21 @@ def print_report(report: dict) -> None:
         )
     print(f"  graphs captured: {c['graphs']} {c['eager_reason'] or ''}".rstrip())
     s = report["speed"]
-    cap = s["capture"]
     print(
         f"speed: {s['shape']} {s['dtype']}, {s['slots']} slots, ctx {s['ctx']}; weights "
         f"{s['weight_bytes'] / 1e9:.2f} GB/step, limit {s['limit_ms']:.3f} ms at "
-        f"{s['bandwidth'] / 1e12:.1f} TB/s; {cap['graphs']} graphs in {cap['seconds']} s "
-        f"{cap['eager_reason']}".rstrip()
+        f"{s['bandwidth'] / 1e12:.1f} TB/s (a copy moved {s['copy_bandwidth'] / 1e12:.2f} TB/s)"
     )
-    print("  batch mode         ms/step     tok/s  of limit  KV MB: needed / read   B,L")
+    for glue, cap in s["capture"].items():
+        print(f"  {glue}: {cap['graphs']} graphs in {cap['seconds']} s {cap['eager_reason']}")
+    for glue, prof in s["profile_batch_1_eager"].items():
+        print(f"  {glue}, batch 1 eager: {prof['kernels']} kernels, {prof['kernel_us']} us in all")
+        for name, count, us in prof["top"]:
+            print(f"      {us:>9.1f} us {count:>5}x {name}")
+    print("  batch glue     mode         ms/step     tok/s  of limit  KV MB: needed / read   B,L")
     for r in s["steps"]:
         print(
-            f"  {r['batch']:>5} {r['mode']:<12} {r['ms']:>8.3f} {r['tok_s']:>9.1f}"
+            f"  {r['batch']:>5} {r['glue']:<8} {r['mode']:<12} {r['ms']:>8.3f} {r['tok_s']:>9.1f}"
             f"  {r['of_limit']:>8.3f}  {r['kv_bytes_real'] / 1e6:>10.1f} /"
             f" {r['kv_bytes_read'] / 1e6:<10.1f} {r['bucket'][0]},{r['bucket'][1]}"
         )

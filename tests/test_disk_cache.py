@@ -243,7 +243,9 @@ def test_a_restarted_server_does_not_prefill_a_repeated_prompt_again(tiny_llama,
 def test_the_directory_stays_under_its_cap(tiny_llama, tmp_path):
     """1 MiB holds one of these ~1,400-token prefixes of float32 KV (512 bytes a token; half
     that in float16, the default), not two."""
-    with _serve(tiny_llama, tmp_path, "--cache-dir-size", "1", "--kv-dtype", "float32") as proc:
+    # float32 KV is the CPU's (a GPU computes in bf16): the same sizes on every machine.
+    cap = ("--cache-dir-size", "1", "--kv-dtype", "float32", "--device", "cpu")
+    with _serve(tiny_llama, tmp_path, *cap) as proc:
         for word in ("alpha", "bravo", "charlie"):
             prompt = f"{word} is a word I say. " * 90
             for _ in range(2):  # a repeat is what goes to disk

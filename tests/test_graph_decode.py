@@ -161,7 +161,7 @@ def test_a_replay_that_differs_from_eager_turns_graphs_off(tiny, fake_capture, c
     fake_capture(0.1)
     decoder = GraphDecoder(fixed.model, fixed.cache, capture=True)
     assert not decoder.graphs and "differs from eager" in decoder.eager_reason
-    assert [r.message for r in caplog.records] == [
+    assert [r.message for r in caplog.records if r.module == "graph_decode"] == [
         f"CUDA graph decode off, decoding eagerly: {decoder.eager_reason}"
     ]
 
@@ -171,7 +171,7 @@ def test_a_failed_capture_decodes_eagerly(tiny, caplog):
     ref, fixed = engines(tiny)
     decoder = GraphDecoder(fixed.model, fixed.cache, capture=True)
     assert not decoder.graphs and decoder.eager_reason
-    assert len(caplog.records) == 1
+    assert len([r for r in caplog.records if r.module == "graph_decode"]) == 1
     ids, positions = torch.tensor([5, 6]), torch.tensor([0, 0])
     torch.testing.assert_close(
         decoder.decode([0, 1], ids, positions), ref.model.decode(ref.cache, [0, 1], ids, positions)
@@ -180,11 +180,13 @@ def test_a_failed_capture_decodes_eagerly(tiny, caplog):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_graphs_replay_what_the_eager_function_computes(tiny):
-    before = compiles_so_far()
+    captures, compiles = graph_decode.captures, compiles_so_far()
     engine = Engine(tiny, slots=SLOTS, ctx=CTX, device="cuda", graph_decode=True)
     decoder = engine.decoder
     assert decoder.eager_reason == "" and len(decoder.graphs) == 4 * 2
-    assert compiles_so_far() - before == len(decoder.graphs)
+    assert graph_decode.captures - captures == len(decoder.graphs)
+    # compiles_after_ready counts them, beside the glue's torch.compile graphs.
+    assert compiles_so_far() - compiles >= len(decoder.graphs)
     slots, ids = [0, 3, 5], torch.tensor([1, 2, 3], device="cuda")
     for positions in ([0, 10, 200], [0, 300, 7]):  # L 256, then 320
         pos = torch.tensor(positions, device="cuda")
