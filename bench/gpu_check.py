@@ -51,7 +51,7 @@ from mashbox.engine.config import ModelConfig  # noqa: E402
 from mashbox.engine.engine import Engine, compiles_so_far  # noqa: E402
 from mashbox.engine.graph_decode import GraphDecoder, reads_in_place  # noqa: E402
 from mashbox.engine.kv_cache import KVCache  # noqa: E402
-from mashbox.engine.model import TORCH_GLUE, Model, cuda_glue  # noqa: E402
+from mashbox.engine.model import TORCH_GLUE, Model  # noqa: E402
 from support.tinymodels import no_tokenizer, random_weights, step_by_step, write_gguf  # noqa: E402
 
 BANDWIDTH = 4.8e12  # bytes/s: the H200's HBM3e, by its datasheet
@@ -207,9 +207,10 @@ def kernel_profile(step, top: int = 6) -> dict:
 def speed(cfg, device: torch.device, *, slots, ctx, batches, warmup, steps, fill) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(cfg, device, dtype, ctx)
-    # Norms, RoPE and SiLU as the model runs them on this device, then as torch's ops.
-    glues = {"compiled": cuda_glue(model), "torch": TORCH_GLUE} if device.type == "cuda" else {}
-    glues = glues or {"torch": TORCH_GLUE}
+    # Norms, RoPE and SiLU as the model runs them on this device (compiled on CUDA), then as
+    # torch's ops.
+    glues = {"compiled": model.glue} if model.glue is not TORCH_GLUE else {}
+    glues["torch"] = TORCH_GLUE
     cache = KVCache(cfg, slots, ctx, device, dtype, scratch_slot=True)
     # As if each slot held some earlier prompt: `fill` positions of random KV.
     cache.k.normal_()

@@ -42,7 +42,7 @@ echo "== 3. the engine's and the server's tests, on CUDA"
 # -v names each test as it ends: a run cut short by the timeout still says what failed.
 timeout 150 python3 -m pytest -v -rfE --tb=short --timeout 90 --no-header -p no:benchmark \
     -p mashbox.pytest_plugin -p no:cacheprovider -o filterwarnings=default -n 12 \
-    --junitxml="$OUT/junit.xml" tests/test_graph_decode.py tests/test_cuda_glue.py \
+    --junitxml="$OUT/junit.xml" tests/test_graph_decode.py tests/test_compiled_glue.py \
     tests/test_chunk_pool.py tests/test_metrics.py tests/test_disk_cache.py \
     tests/test_server.py tests/test_engine.py tests/test_n_choices.py \
     2>&1 | tee "$OUT/pytest.log" | grep -E "FAILED|ERROR|Error|passed|failed" | tail -40

@@ -99,17 +99,22 @@ def compiled_glue() -> SimpleNamespace:
     )
 
 
-GLUE_ENV = "MASHBOX_CUDA_GLUE"  # "torch": torch's ops one by one on CUDA, not compiled
+# "0": torch's ops one by one on CUDA too; "1": compiled on any device where the CPU kernels
+# do not run (how the tests check a CUDA server's path on a CPU); unset: compiled on CUDA.
+GLUE_ENV = "MASHBOX_COMPILED_GLUE"
 
 
-def cuda_glue(model: Model) -> SimpleNamespace:
+def wants_compiled_glue(device: torch.device) -> bool:
+    """Whether a model without the CPU kernels compiles its glue ($MASHBOX_COMPILED_GLUE)."""
+    choice = os.environ.get(GLUE_ENV, "")
+    return choice == "1" or (choice != "0" and device.type == "cuda")
+
+
+def warmed_compiled_glue(model: Model) -> SimpleNamespace:
     """compiled_glue, compiled now: a forward of 1 and of 2 tokens in inference mode, as the
     engine's steps run (torch.compile specialises on a size of 1, and guards on strides and
     inference tensors: anything else would compile again at the first request, after ready).
-    torch's ops, with a warning, where it does not compile (no Triton, say) or
-    $MASHBOX_CUDA_GLUE is "torch"."""
-    if os.environ.get(GLUE_ENV, "compiled") == "torch":
-        return TORCH_GLUE
+    torch's ops, with a warning, where it does not compile (no Triton, say)."""
     log.info("compiling the norms, RoPE and SiLU with torch.compile (cached once built)")
     glue = model.glue = compiled_glue()  # forward() reads the model's
     try:
@@ -121,7 +126,7 @@ def cuda_glue(model: Model) -> SimpleNamespace:
     except Exception as e:
         reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]  # inductor's: many lines
         log.warning("torch.compile failed (%s): norms, RoPE and SiLU run as torch's ops one "
-                    "by one, a slower decode step (set %s=torch to skip the attempt)",
+                    "by one, a slower decode step (set %s=0 to skip the attempt)",
                     reason, GLUE_ENV)  # fmt: skip
         return TORCH_GLUE
     return glue
@@ -233,8 +238,8 @@ class Model:
         kernels = self.attention_kernels
         if kernels is not None:
             self.glue = KernelGlue(kernels)
-        elif self.device.type == "cuda":
-            self.glue = cuda_glue(self)
+        elif wants_compiled_glue(self.device):
+            self.glue = warmed_compiled_glue(self)
         else:
             self.glue = TORCH_GLUE
 

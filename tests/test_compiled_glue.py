@@ -1,12 +1,13 @@
 """A CUDA model's norms, RoPE and SiLU: torch's ops through torch.compile (one kernel each
 instead of ~7 in a decode step's graph). Checked here on the CPU, where inductor compiles to
-C++ rather than Triton (bench/gpu_check.py runs them on a GPU), and the fallback to torch's
-ops where compiling fails."""
+C++ rather than Triton (bench/gpu_check.py runs them on a GPU): against torch's ops, in a
+server that takes the CUDA path, and the fallback to torch's ops where compiling fails."""
 
 from __future__ import annotations
 
 import logging
 
+import httpx
 import pytest
 import torch
 
@@ -14,7 +15,8 @@ from mashbox.engine import model as model_module
 from mashbox.engine.engine import Engine, compiles_so_far
 from mashbox.engine.graph_decode import GraphDecoder
 from mashbox.engine.kv_cache import KVCache
-from mashbox.engine.model import GLUE_ENV, TORCH_GLUE, cuda_glue
+from mashbox.engine.model import GLUE_ENV, TORCH_GLUE, wants_compiled_glue, warmed_compiled_glue
+from support.serverproc import serving
 from support.tinymodels import no_tokenizer, random_weights, write_gguf
 
 
@@ -27,7 +29,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compiled(model):
-    return cuda_glue(model)
+    return warmed_compiled_glue(model)
 
 
 def test_the_model_compiles_its_glue(compiled):
@@ -92,13 +94,40 @@ def test_a_failed_compile_falls_back_to_torch_ops_with_a_warning(model, monkeypa
         model_module, "compiled_glue", lambda: type(TORCH_GLUE)(**dict.fromkeys(names, broken))
     )
     with caplog.at_level(logging.WARNING, logger="mashbox"):
-        assert cuda_glue(model) is TORCH_GLUE
+        assert warmed_compiled_glue(model) is TORCH_GLUE
     assert [r.message for r in caplog.records if "torch.compile failed" in r.message] == [
         "torch.compile failed (RuntimeError: no Triton here): norms, RoPE and SiLU run as "
-        f"torch's ops one by one, a slower decode step (set {GLUE_ENV}=torch to skip the attempt)"
+        f"torch's ops one by one, a slower decode step (set {GLUE_ENV}=0 to skip the attempt)"
     ]
 
 
-def test_the_environment_can_turn_compiling_off(model, monkeypatch):
-    monkeypatch.setenv(GLUE_ENV, "torch")
-    assert cuda_glue(model) is TORCH_GLUE
+@pytest.mark.parametrize(
+    "choice, on_cuda, on_cpu", [(None, True, False), ("0", False, False), ("1", True, True)]
+)
+def test_the_environment_chooses_where_glue_compiles(choice, on_cuda, on_cpu, monkeypatch):
+    if choice is None:
+        monkeypatch.delenv(GLUE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(GLUE_ENV, choice)
+    assert wants_compiled_glue(torch.device("cuda")) == on_cuda
+    assert wants_compiled_glue(torch.device("cpu")) == on_cpu
+
+
+def test_a_server_on_the_cuda_path_compiles_nothing_after_ready(tiny_llama):
+    """A CUDA server's code path on the CPU: torch's ops where the kernels would run, the
+    glue compiled, fixed-shape decode steps. Prompts of many lengths, batches of 1 to 4
+    rows, sampled and greedy: all answered, and nothing compiled after ready."""
+    env = {"MASHBOX_CPU_KERNELS": "0", GLUE_ENV: "1", "MASHBOX_GRAPH_DECODE": "1"}
+    with serving(str(tiny_llama), "--slots", "4", "--ctx", "512", env=env, timeout=300) as proc:
+
+        def complete(prompt: str, **body) -> dict:
+            body = {"prompt": prompt, "max_tokens": 6, "ignore_eos": True, **body}
+            r = httpx.post(proc.url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        for words in (1, 2, 7, 40):
+            complete(" ".join(["tea"] * words), temperature=0)
+        assert len(complete("Count", n=4, temperature=1, seed=3)["choices"]) == 4
+        health = httpx.get(proc.url + "/health").json()
+    assert health["compiles_after_ready"] == 0
