@@ -155,8 +155,6 @@ class ChunkPool {
     return sum;
   }
 
-  // Helpers are detached: a forked child has none of them, and starts its own (told so by
-  // pthread_atfork: getpid() at every call was a system call, ~60 ns hot, 151 times a step).
   // Sleep while `word` holds `seen` (spurious wake-ups allowed); wake every sleeper.
   static void sleep_while(std::atomic<uint32_t>& word, uint32_t seen) {
 #ifdef MASHBOX_FUTEX
@@ -176,6 +174,8 @@ class ChunkPool {
 #endif
   }
 
+  // Helpers are detached: a forked child has none of them, and starts its own (told so by
+  // pthread_atfork: getpid() at every call was a system call, ~60 ns hot, 151 times a step).
   ChunkPool() { pthread_atfork(nullptr, nullptr, [] { get().started_ = 0; }); }
   void start_helpers(int helpers) {
     for (; started_ < helpers; ++started_)
