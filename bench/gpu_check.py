@@ -7,9 +7,12 @@
 2. Speed, on a random-weight model of Llama-3-8B shape in bf16, built on the device (no file):
    32 slots of ctx 2048, each holding a few hundred positions of random KV; decode steps at
    batch 1, 8 and 32 (the head included, sampling not), median of 20 after 3 warm-ups, for the
-   per-row reference path, the fixed-shape function run eagerly, and its graph replays.
+   per-row reference path, the fixed-shape function run eagerly, and its graph replays; each
+   with the norms, RoPE and SiLU compiled (the default on CUDA) and as torch's ops.
    The limit: a step must read every weight once, weight bytes / 4.8 TB/s (the H200's memory
-   bandwidth); "of limit" is that time over the measured one.
+   bandwidth); "of limit" is that time over the measured one. Beside it, what a 1 GiB
+   device-to-device copy moves there, and one batch-1 step under torch's profiler: its
+   kernels' count and time, and the costliest of them.
 
 Prints a compact report; with $OUT set, also writes it to $OUT/gpu_check.json. About 2-4
 minutes on an H200.
@@ -236,9 +239,8 @@ def speed(cfg, device: torch.device, *, slots, ctx, batches, warmup, steps, fill
         }
         if not rows:  # the model alone, per row: once
             modes = {"reference": lambda s, i, p: model.decode(cache, s, i, p), **modes}
-        rows += speed_rows(cfg, model, cache, decoder, modes, lengths, batches, warmup, steps)
-        for row in rows:
-            row.setdefault("glue", glue_name)
+        timed = speed_rows(cfg, model, cache, decoder, modes, lengths, batches, warmup, steps)
+        rows += [{"glue": glue_name, **row} for row in timed]
         if device.type == "cuda":
             one = (torch.tensor([7], device=device), torch.tensor([lengths[0]], device=device))
             try:
