@@ -14,19 +14,11 @@
    device-to-device copy moves there, and one batch-1 step under torch's profiler: its
    kernels' count and time, and the costliest of them.
 
-Prints a compact report; with $OUT set, also writes it to $OUT/gpu_check.json. About 2-4
+Prints a compact report; with $OUT set, also writes it to $OUT/gpu_check.json. About 2
 minutes on an H200.
 
-On this workplace's device machine (its python3 has CUDA torch, and it reaches no package
-registry, so the one pure-Python package mashbox needs that it lacks travels as a wheel):
-
-    # here, once, in the repo root
-    echo /.whl/ >> .git/info/exclude
-    .venv/bin/pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0
-    # then the device tool's run, with carry [".whl"] and timeout_s 480:
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && PYTHONPATH=src:/tmp/site PYTHONUNBUFFERED=1 \
-        python3 bench/gpu_check.py
+On this workplace's device machine: `bash bench/gpu_session.sh`, which runs this script
+beside the rest of the GPU checks (its header has the device command and the wheels it needs).
 
 Elsewhere, with a CUDA build of torch in the venv (`pip install torch` on a machine with a GPU;
 `pip install -e .` for mashbox):  .venv/bin/python bench/gpu_check.py
