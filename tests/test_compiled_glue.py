@@ -11,6 +11,7 @@ import httpx
 import pytest
 import torch
 
+from mashbox.engine import kernel_build
 from mashbox.engine import model as model_module
 from mashbox.engine.engine import Engine, compiles_so_far
 from mashbox.engine.graph_decode import GraphDecoder
@@ -18,6 +19,11 @@ from mashbox.engine.kv_cache import KVCache
 from mashbox.engine.model import GLUE_ENV, TORCH_GLUE, wants_compiled_glue, warmed_compiled_glue
 from support.serverproc import serving
 from support.tinymodels import no_tokenizer, random_weights, write_gguf
+
+# Inductor compiles to C++ on a CPU (Triton on a GPU).
+pytestmark = pytest.mark.skipif(
+    not kernel_build.compiler(), reason="no C++ compiler, which torch.compile needs on a CPU"
+)
 
 
 @pytest.fixture(scope="module")
