@@ -2,20 +2,24 @@
 
 1. Correctness, on a tiny random GGUF model (tests/tinymodels.py): 3 prompts, 32 greedy tokens
    each, through the Engine on the CPU (float32, the reference) and on the device (bf16) by
-   the default torch path ("eager") and by fixed-shape decode ("graph": captured CUDA graphs);
-   token agreement and the first decode step's largest logit difference.
+   the default torch path ("eager") and by fixed-shape decode ("graph": captured CUDA graphs,
+   with either attention, "graph-indexed" for indexed_attention.py's); token agreement and
+   the first decode step's largest logit difference.
 2. Speed, on a random-weight model of Llama-3-8B shape in bf16, built on the device (no file):
-   32 slots of ctx 2048, each holding a few hundred positions of random KV; decode steps at
+   32 slots of ctx 8192, each holding a few hundred positions of random KV; decode steps at
    batch 1, 8 and 32 (the head included, sampling not), median of 20 after 3 warm-ups, for the
-   per-row reference path, the fixed-shape function run eagerly, and its graph replays; each
-   with the norms, RoPE and SiLU compiled (the default on CUDA) and as torch's ops.
+   per-row reference path, the fixed-shape function run eagerly, and its graph replays; and
+   one more batch-1 row whose slot holds ~8,100 positions (an agent's conversation). Each for
+   three decoders (CONFIGS): norms, RoPE and SiLU compiled (the default on CUDA) with
+   attention over gathered copies (the default) or indexed_attention's, and torch's ops with
+   gathered copies.
    The limit: a step must read every weight once, weight bytes / 4.8 TB/s (the H200's memory
    bandwidth); "of limit" is that time over the measured one. Beside it, what a 1 GiB
-   device-to-device copy moves there, and one batch-1 step under torch's profiler: its
-   kernels' count and time, and the costliest of them.
+   device-to-device copy moves there, and batch-1 steps under torch's profiler, at the short
+   and the long context: their kernels' count and time, and the costliest of them.
 
-Prints a compact report; with $OUT set, also writes it to $OUT/gpu_check.json. About 2
-minutes on an H200.
+Prints a compact report; with $OUT set, also writes it to $OUT/gpu_check.json. About 3-4
+minutes on an H200 (2 before the indexed attention and the long row: not timed since).
 
 On this workplace's device machine: `bash bench/gpu_session.sh`, which runs this script
 beside the rest of the GPU checks (its header has the device command and the wheels it needs).
@@ -42,11 +46,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]  # this tree's mashbox; tinymodels
 
+from mashbox.engine import indexed_attention  # noqa: E402
 from mashbox.engine.config import ModelConfig  # noqa: E402
 from mashbox.engine.engine import Engine, compiles_so_far  # noqa: E402
 from mashbox.engine.graph_decode import GraphDecoder, reads_in_place  # noqa: E402
 from mashbox.engine.kv_cache import KVCache  # noqa: E402
-from mashbox.engine.model import TORCH_GLUE, Model  # noqa: E402
+from mashbox.engine.model import TORCH_GLUE, KernelGlue, Model  # noqa: E402
 from support.tinymodels import no_tokenizer, random_weights, step_by_step, write_gguf  # noqa: E402
 
 BANDWIDTH = 4.8e12  # bytes/s: the H200's HBM3e, by its datasheet
@@ -89,6 +94,13 @@ def correctness(device: str, workdir: Path, n_tokens: int = 32) -> dict:
         f"{device}-eager": Engine(path, slots=4, ctx=512, device=device, graph_decode=False),
         f"{device}-graph": Engine(path, slots=4, ctx=512, device=device, graph_decode=True),
     }
+    os.environ[indexed_attention.ENV] = "indexed"
+    try:
+        engines[f"{device}-graph-indexed"] = Engine(
+            path, slots=4, ctx=512, device=device, graph_decode=True
+        )
+    finally:
+        del os.environ[indexed_attention.ENV]
     tokens = {name: step_by_step(e, prompts, n_tokens) for name, e in engines.items()}
     first = [seq[0] for seq in tokens["cpu-float32"]]
     logits = {name: first_decode_logits(e, prompts, first) for name, e in engines.items()}
@@ -108,6 +120,7 @@ def correctness(device: str, workdir: Path, n_tokens: int = 32) -> dict:
         "graph_vs_eager": versus(f"{device}-graph", f"{device}-eager"),
         "graphs": len(decoder.graphs),
         "eager_reason": decoder.eager_reason,
+        "indexed_compiled": engines[f"{device}-graph-indexed"].decoder.indexed is not None,
         "logit_scale": float(logits["cpu-float32"].abs().max()),
     }
 
@@ -198,28 +211,48 @@ def kernel_profile(step, top: int = 6) -> dict:
     }
 
 
+# What each timed decoder runs: its norms, RoPE and SiLU (the model's own, compiled on CUDA,
+# or torch's ops) and its attention ("gathered": SDPA over copies of the rows' slots, the
+# default; "indexed": indexed_attention.py, reading the slots in place).
+CONFIGS = (("model's", "gathered"), ("model's", "indexed"), ("torch", "gathered"))
+
+
+def glue_kind(glue) -> str:
+    return (
+        "torch" if glue is TORCH_GLUE else "kernels" if isinstance(glue, KernelGlue) else "compiled"
+    )
+
+
 @torch.inference_mode()
 def speed(cfg, device: torch.device, *, slots, ctx, batches, warmup, steps, fill) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(cfg, device, dtype, ctx)
-    # Norms, RoPE and SiLU as the model runs them on this device (compiled on CUDA), then as
-    # torch's ops.
-    glues = {"compiled": model.glue} if model.glue is not TORCH_GLUE else {}
-    glues["torch"] = TORCH_GLUE
+    glues = {"model's": model.glue, "torch": TORCH_GLUE}
+    if model.glue is TORCH_GLUE:  # not compiled here (where it failed)
+        glues.pop("torch")
     cache = KVCache(cfg, slots, ctx, device, dtype, scratch_slot=True)
-    # As if each slot held some earlier prompt: `fill` positions of random KV.
+    # As if each slot held some earlier prompt: `fill` positions of random KV...
     cache.k.normal_()
     cache.v.normal_()
     generator = torch.Generator().manual_seed(1)
     lengths = torch.randint(fill[0], fill[1], (slots,), generator=generator).tolist()
+    # ...and, for one more batch-1 row, an agent's long conversation: slot 0 nearly full.
+    long_lengths = [ctx - warmup - steps - 64, *lengths[1:]]
     weight_bytes = model.decode_nbytes
     limit_s = weight_bytes / BANDWIDTH
     rows, captures, profiles = [], {}, {}
-    for glue_name, glue in glues.items():
-        model.glue = glue
+    for glue_name, attention in CONFIGS:
+        if glue_name not in glues:
+            continue
+        model.glue = glues[glue_name]
+        config = f"{glue_kind(model.glue)}/{attention}"
         compiles, t0 = compiles_so_far(), time.perf_counter()
-        decoder = GraphDecoder(model, cache)
-        captures[glue_name] = {
+        decoder = GraphDecoder(model, cache, indexed=attention == "indexed")
+        if attention == "indexed" and decoder.indexed is None:  # it did not compile
+            captures[config] = {"graphs": 0, "compiles": 0, "seconds": 0, "eager_reason":
+                                "indexed attention did not compile (see the log)"}  # fmt: skip
+            continue
+        captures[config] = {
             "graphs": len(decoder.graphs),
             "compiles": compiles_so_far() - compiles,
             "seconds": round(time.perf_counter() - t0, 2),
@@ -232,15 +265,19 @@ def speed(cfg, device: torch.device, *, slots, ctx, batches, warmup, steps, fill
         if not rows:  # the model alone, per row: once
             modes = {"reference": lambda s, i, p: model.decode(cache, s, i, p), **modes}
         timed = speed_rows(cfg, model, cache, decoder, modes, lengths, batches, warmup, steps)
-        rows += [{"glue": glue_name, **row} for row in timed]
+        graph = {"graph": modes["graph"]}
+        timed += speed_rows(cfg, model, cache, decoder, graph, long_lengths, (1,), warmup, steps)
+        rows += [{"config": config, **row} for row in timed]
         if device.type == "cuda":
-            one = (torch.tensor([7], device=device), torch.tensor([lengths[0]], device=device))
-            try:
-                profiles[glue_name] = kernel_profile(
-                    functools.partial(decoder.decode, [0], *one, eager=True)
-                )
-            except Exception as e:  # a profile is a bonus: the numbers above stand alone
-                profiles[glue_name] = {"kernels": 0, "kernel_us": 0, "top": [[repr(e), 0, 0]]}
+            for context, at in (("short", lengths[0]), ("long", long_lengths[0] + steps + 8)):
+                one = (torch.tensor([7], device=device), torch.tensor([at], device=device))
+                try:
+                    profile = kernel_profile(
+                        functools.partial(decoder.decode, [0], *one, eager=True)
+                    )
+                except Exception as e:  # a profile is a bonus: the numbers above stand alone
+                    profile = {"kernels": 0, "kernel_us": 0, "top": [[repr(e), 0, 0]]}
+                profiles[f"{config}, {context} context ({at + 1} keys)"] = profile
     memory = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     return {
         "shape": "llama-3-8b" if cfg == LLAMA3_8B else "smoke",
@@ -276,8 +313,14 @@ def speed_rows(cfg, model, cache, decoder, modes, lengths, batches, warmup, step
             longest = max(lengths[s] for s in slots_b) + offset[0]
             b, length = decoder.bucket(batch, longest)
             # Key rows read: the per-row reference reads its own lengths; the fixed-shape
-            # step all slots in place, or its bucket's rows 3 times (gather, copy, attend).
-            read_rows = cache.k.shape[1] if reads_in_place(b, cache.k.shape[1]) else 3 * b
+            # step its bucket's rows once (indexed), all slots in place, or its bucket's
+            # rows 3 times (gather, copy, attend).
+            if decoder.indexed is not None:
+                read_rows = b
+            elif reads_in_place(b, cache.k.shape[1]):
+                read_rows = cache.k.shape[1]
+            else:
+                read_rows = 3 * b
             kv_real = sum(lengths[s] + offset[0] for s in slots_b) * cache.bytes_per_token
             kv_bucketed = read_rows * length * cache.bytes_per_token
             rows.append(
@@ -309,22 +352,26 @@ def print_report(report: dict) -> None:
             f"  max |logit diff| {v['max_logit_diff']:.4f}"
         )
     print(f"  graphs captured: {c['graphs']} {c['eager_reason'] or ''}".rstrip())
+    print(f"  indexed attention compiled: {c['indexed_compiled']}")
     s = report["speed"]
     print(
         f"speed: {s['shape']} {s['dtype']}, {s['slots']} slots, ctx {s['ctx']}; weights "
         f"{s['weight_bytes'] / 1e9:.2f} GB/step, limit {s['limit_ms']:.3f} ms at "
         f"{s['bandwidth'] / 1e12:.1f} TB/s (a copy moved {s['copy_bandwidth'] / 1e12:.2f} TB/s)"
     )
-    for glue, cap in s["capture"].items():
-        print(f"  {glue}: {cap['graphs']} graphs in {cap['seconds']} s {cap['eager_reason']}")
-    for glue, prof in s["profile_batch_1_eager"].items():
-        print(f"  {glue}, batch 1 eager: {prof['kernels']} kernels, {prof['kernel_us']} us in all")
+    for config, cap in s["capture"].items():
+        print(f"  {config}: {cap['graphs']} graphs, {cap['compiles']} compiles in all, "
+              f"{cap['seconds']} s {cap['eager_reason']}")  # fmt: skip
+    for case, prof in s["profile_batch_1_eager"].items():
+        print(f"  {case}, batch 1 eager: {prof['kernels']} kernels, {prof['kernel_us']} us")
         for name, count, us in prof["top"]:
             print(f"      {us:>9.1f} us {count:>5}x {name}")
-    print("  batch glue     mode         ms/step     tok/s  of limit  KV MB: needed / read   B,L")
+    print("  batch config            mode         ms/step     tok/s  of limit  KV MB: needed / "
+          "read   B,L")  # fmt: skip
     for r in s["steps"]:
         print(
-            f"  {r['batch']:>5} {r['glue']:<8} {r['mode']:<12} {r['ms']:>8.3f} {r['tok_s']:>9.1f}"
+            f"  {r['batch']:>5} {r['config']:<17} {r['mode']:<12} {r['ms']:>8.3f}"
+            f" {r['tok_s']:>9.1f}"
             f"  {r['of_limit']:>8.3f}  {r['kv_bytes_real'] / 1e6:>10.1f} /"
             f" {r['kv_bytes_read'] / 1e6:<10.1f} {r['bucket'][0]},{r['bucket'][1]}"
         )
@@ -342,7 +389,7 @@ def main() -> None:
         shape = dict(slots=4, ctx=512, batches=(1, 2, 4), warmup=1, steps=3, fill=(100, 300))
         cfg = SMOKE_SHAPE
     else:
-        shape = dict(slots=32, ctx=2048, batches=(1, 8, 32), warmup=3, steps=20, fill=(200, 500))
+        shape = dict(slots=32, ctx=8192, batches=(1, 8, 32), warmup=3, steps=20, fill=(200, 500))
         cfg = LLAMA3_8B
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = {"device": name, "torch": torch.__version__}

@@ -12,8 +12,9 @@
 #         --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
 #         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #         -d .whl -r bench/gpu_wheels.txt
-# Then the device tool's run, carry [".whl"], timeout_s 420:  bash bench/gpu_session.sh
-# (~5 minutes there: the kernels' build takes ~2 of them, beside gpu_check). Everything it
+# Then the device tool's run, carry [".whl"], timeout_s 540:  bash bench/gpu_session.sh
+# (~5 minutes there before gpu_check timed the indexed attention and a long context, which
+# add ~1-2; the kernels' build takes ~2 minutes, beside gpu_check). Everything it
 # prints also lands in $OUT (gpu_check.json and .log, kernels.log, pytest.log, junit.xml).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +32,7 @@ nproc
 
 echo "== 1. bench/gpu_check.py"
 # Its float32 CPU reference on torch's ops: no waiting for the build beside it.
-MASHBOX_CPU_KERNELS=0 timeout 220 python3 bench/gpu_check.py 2>&1 | tee "$OUT/gpu_check.log"
+MASHBOX_CPU_KERNELS=0 timeout 330 python3 bench/gpu_check.py 2>&1 | tee "$OUT/gpu_check.log"
 echo "gpu_check exit ${PIPESTATUS[0]}"
 wait
 echo "== 2. mashbox kernels"
@@ -43,6 +44,7 @@ echo "== 3. the engine's and the server's tests, on CUDA"
 timeout 150 python3 -m pytest -v -rfE --tb=short --timeout 90 --no-header -p no:benchmark \
     -p mashbox.pytest_plugin -p no:cacheprovider -o filterwarnings=default -n 12 \
     --junitxml="$OUT/junit.xml" tests/test_graph_decode.py tests/test_compiled_glue.py \
+    tests/test_indexed_attention.py \
     tests/test_chunk_pool.py tests/test_metrics.py tests/test_disk_cache.py \
     tests/test_server.py tests/test_engine.py tests/test_n_choices.py \
     2>&1 | tee "$OUT/pytest.log" | grep -E "FAILED|ERROR|Error|passed|failed" | tail -40

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from mashbox.engine import kernel_build
+from mashbox.engine import indexed_attention, kernel_build
 from mashbox.engine import model as model_module
 from mashbox.engine.engine import Engine, compiles_so_far
 from mashbox.engine.graph_decode import GraphDecoder
@@ -123,7 +123,8 @@ def test_a_server_on_the_cuda_path_compiles_nothing_after_ready(tiny_llama):
     """A CUDA server's code path on the CPU: torch's ops where the kernels would run, the
     glue compiled, fixed-shape decode steps. Prompts of many lengths, batches of 1 to 4
     rows, sampled and greedy: all answered, and nothing compiled after ready."""
-    env = {"MASHBOX_CPU_KERNELS": "0", GLUE_ENV: "1", "MASHBOX_GRAPH_DECODE": "1"}
+    env = {"MASHBOX_CPU_KERNELS": "0", GLUE_ENV: "1", "MASHBOX_GRAPH_DECODE": "1",
+           indexed_attention.ENV: "indexed"}  # fmt: skip
     with serving(str(tiny_llama), "--slots", "4", "--ctx", "512", env=env, timeout=300) as proc:
 
         def complete(prompt: str, **body) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mashbox.engine import graph_decode
+from mashbox.engine import graph_decode, indexed_attention, kernel_build
 from mashbox.engine.engine import Engine, compiles_so_far
 from mashbox.engine.graph_decode import GraphDecoder, batch_buckets, context_buckets
 from support.tinymodels import no_tokenizer, random_weights, step_by_step, write_gguf
@@ -36,13 +36,25 @@ def engines(path) -> tuple[Engine, Engine]:
     )
 
 
-def test_fixed_shape_decode_matches_the_reference(tiny):
+@pytest.fixture(params=["gathered", "indexed"])
+def attention(request, monkeypatch):
+    """Fixed-shape decode's two attentions: SDPA over gathered copies (or every slot in
+    place), and indexed_attention, compiled (inductor's C++ here, Triton on a GPU)."""
+    if request.param == "indexed" and not kernel_build.compiler():
+        pytest.skip("no C++ compiler, which torch.compile needs on a CPU")
+    monkeypatch.setenv(indexed_attention.ENV, request.param)
+    return request.param
+
+
+def test_fixed_shape_decode_matches_the_reference(tiny, attention):
     """Batches of 1 to 5 rows in different slots and lengths, across the L=256 boundary and
-    padded (3 rows in bucket 4, 5 in 8), through both the gathered and the in-place
-    attention: the same hidden states and KV, and slots outside the batch untouched."""
+    padded (3 rows in bucket 4, 5 in 8), through each attention (the gathered one both
+    over copies and over every slot in place): the same hidden states and KV, and slots
+    outside the batch untouched."""
     ref, fixed = engines(tiny)
     decoder = fixed.decoder
     assert isinstance(decoder, GraphDecoder) and not decoder.graphs  # eager on the CPU
+    assert (decoder.indexed is not None) == (attention == "indexed")
     assert fixed.cache.k.shape[1] == SLOTS + 1 and fixed.cache.scratch_slot == SLOTS
     generator = torch.Generator().manual_seed(0)
     lengths = [3, 255, 100, 299, 17, 40]
@@ -75,7 +87,7 @@ def test_both_attention_layouts_are_exercised():
     assert in_place == [False, False, True, True]
 
 
-def test_greedy_generation_through_the_engine_is_unchanged(tiny):
+def test_greedy_generation_through_the_engine_is_unchanged(tiny, attention):
     # 3 rows (bucket 4); the long one crosses L=256 while decoding.
     prompts = [(4, 8, 15, 16, 23, 42), (9, 8, 7), tuple(i % VOCAB for i in range(248))]
     ref, fixed = engines(tiny)
@@ -179,11 +191,12 @@ def test_a_failed_capture_decodes_eagerly(tiny, caplog):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_captured_graphs_replay_what_the_eager_function_computes(tiny):
+def test_captured_graphs_replay_what_the_eager_function_computes(tiny, attention):
     captures, compiles = graph_decode.captures, compiles_so_far()
     engine = Engine(tiny, slots=SLOTS, ctx=CTX, device="cuda", graph_decode=True)
     decoder = engine.decoder
     assert decoder.eager_reason == "" and len(decoder.graphs) == 4 * 2
+    assert (decoder.indexed is not None) == (attention == "indexed")
     assert graph_decode.captures - captures == len(decoder.graphs)
     # compiles_after_ready counts them, beside the glue's torch.compile graphs.
     assert compiles_so_far() - compiles >= len(decoder.graphs)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import indexed_attention
 from .kv_cache import KVCache
 from .model import Model
 from .sampling import DecodeLogits
@@ -85,15 +86,17 @@ def decode_step(
     positions: Tensor,
     slot_index: Tensor,
     length: int,
+    indexed=None,
 ) -> Tensor:
     """One token per row at fixed shapes ([B] inputs, context bucket `length`); returns the
     final hidden states [B, d_model]. Each row writes its K/V at its position and attends
-    over keys 0..position of its slot. Nothing here reads a tensor's value on the host, so
-    it can be captured as a CUDA graph. Rows must be in distinct slots, except padding rows,
-    which all sit at position 0 of the scratch slot."""
+    over keys 0..position of its slot: through `indexed` (indexed_attention's, compiled)
+    where given, else over gathered copies or every slot in place. Nothing here reads a
+    tensor's value on the host, so it can be captured as a CUDA graph. Rows must be in
+    distinct slots, except padding rows, which all sit at position 0 of the scratch slot."""
     cfg, batch = model.cfg, token_ids.shape[0]
     groups = cfg.n_heads // cfg.n_kv_heads
-    in_place = reads_in_place(batch, cache.k.shape[1])
+    in_place = indexed is None and reads_in_place(batch, cache.k.shape[1])
     keys = torch.arange(length, device=token_ids.device)
     if in_place:  # a row per slot of the cache: the batch's rows where they are, 0 elsewhere
         slot_positions = torch.zeros(cache.k.shape[1], dtype=positions.dtype, device=keys.device)
@@ -104,6 +107,9 @@ def decode_step(
     # layer and broadcast over heads: [rows, 1, 1, length].
     zero = torch.zeros((), dtype=model.dtype, device=keys.device)
     mask = torch.where(visible, zero, float("-inf"))[:, None, None]
+
+    def attend_indexed(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return indexed(q, k, v, cache.k[layer], cache.v[layer], slot_index, positions, mask)
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cache.k[layer, slot_index, :, positions] = k
@@ -121,7 +127,7 @@ def decode_step(
             out = F.scaled_dot_product_attention(q, keys_k, keys_v, attn_mask=mask)
         return out.reshape(batch, -1)
 
-    return model.forward(token_ids, positions, attend)
+    return model.forward(token_ids, positions, attend if indexed is None else attend_indexed)
 
 
 class _StaticInputs:
@@ -148,9 +154,17 @@ class GraphDecoder:
     """Decode for one Model and KVCache through fixed-shape steps: replayed CUDA graphs where
     they were captured and checked, the same function run eagerly elsewhere."""
 
-    def __init__(self, model: Model, cache: KVCache, *, capture: bool | None = None):
-        """capture: record CUDA graphs now (default: on CUDA). Needs a cache with a scratch
-        slot, where padding rows write."""
+    def __init__(
+        self,
+        model: Model,
+        cache: KVCache,
+        *,
+        capture: bool | None = None,
+        indexed: bool | None = None,
+    ):
+        """capture: record CUDA graphs now (default: on CUDA). indexed: attend through
+        indexed_attention, compiled now (default: as $MASHBOX_DECODE_ATTENTION says). Needs
+        a cache with a scratch slot, where padding rows write."""
         if cache.scratch_slot is None:
             raise ValueError("fixed-shape decode needs a KVCache with a scratch slot")
         self.model, self.cache = model, cache
@@ -159,8 +173,11 @@ class GraphDecoder:
         self.inputs = {b: _StaticInputs(b, cache.scratch_slot, model.device) for b in self.batches}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.eager_reason = "not captured"  # why decode runs eagerly, while it does
+        self.indexed = None  # indexed_attention, compiled, where it is used
         if capture is None:
             capture = model.device.type == "cuda"
+        if indexed if indexed is not None else indexed_attention.wanted():
+            self._compile_indexed(captured=capture)
         if capture:
             self._capture_all()
 
@@ -198,8 +215,27 @@ class GraphDecoder:
         with torch.no_grad():
             return decode_step(
                 self.model, self.cache,
-                inputs.token_ids, inputs.positions, inputs.slot_index, length,
+                inputs.token_ids, inputs.positions, inputs.slot_index, length, self.indexed,
             )  # fmt: skip
+
+    def _compile_indexed(self, *, captured: bool) -> None:
+        """Compile indexed_attention for every bucket now, before the server is ready: one
+        eager step of each (B, L) on the idle inputs, which write only the scratch slot, as
+        the steps will run: captured, or eagerly in the worker's inference mode
+        (torch.compile guards on inference tensors). Where it does not compile, warn and
+        attend over gathered copies instead."""
+        log.info("compiling decode attention over slots in place (cached once built)")
+        self.indexed = indexed_attention.compiled()
+        try:
+            with torch.inference_mode(not captured):
+                for batch in reversed(self.batches):
+                    for length in reversed(self.lengths):
+                        self._eager(batch, length)
+        except Exception as e:
+            self.indexed = None
+            reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            log.warning("decode attention over slots in place did not compile (%s): "
+                        "attending over gathered copies", reason)  # fmt: skip
 
     def _capture_all(self) -> None:
         """Capture every (B, L), then check two replays against eager runs; on any failure
