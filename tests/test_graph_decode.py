@@ -168,6 +168,19 @@ def test_captured_graphs_are_counted_checked_and_replayed(tiny, fake_capture):
     assert sum(graph.replays for graph, _ in decoder.graphs.values()) - checked == 15
 
 
+@pytest.mark.skipif(not kernel_build.compiler(), reason="no C++ compiler for torch.compile")
+@pytest.mark.parametrize("inference", [False, True], ids=["plain", "inference-mode"])
+def test_captured_steps_compile_the_indexed_attention_once(tiny, fake_capture, inference):
+    """Its warm-up runs in the mode the captures run in (the caller's), so capturing all 8
+    buckets adds no compile to its four (torch.compile guards on inference tensors)."""
+    _, fixed = engines(tiny)
+    with torch.inference_mode(inference):
+        before = compiles_so_far()
+        decoder = GraphDecoder(fixed.model, fixed.cache, capture=True, indexed=True)
+        assert decoder.indexed is not None and decoder.eager_reason == ""
+        assert compiles_so_far() - before == len(decoder.graphs) + 4
+
+
 def test_a_replay_that_differs_from_eager_turns_graphs_off(tiny, fake_capture, caplog):
     _, fixed = engines(tiny)
     fake_capture(0.1)

@@ -221,13 +221,13 @@ class GraphDecoder:
     def _compile_indexed(self, *, captured: bool) -> None:
         """Compile indexed_attention for every bucket now, before the server is ready: one
         eager step of each (B, L) on the idle inputs, which write only the scratch slot, as
-        the steps will run: captured, or eagerly in the worker's inference mode
-        (torch.compile guards on inference tensors). Where it does not compile, warn and
-        attend over gathered copies instead."""
+        the steps will run (torch.compile guards on inference tensors): captured next, in
+        the caller's mode, or eagerly in the worker's inference mode. Where it does not
+        compile, warn and attend over gathered copies instead."""
         log.info("compiling decode attention over slots in place (cached once built)")
         self.indexed = indexed_attention.compiled()
         try:
-            with torch.inference_mode(not captured):
+            with torch.inference_mode(not captured or torch.is_inference_mode_enabled()):
                 for batch in reversed(self.batches):
                     for length in reversed(self.lengths):
                         self._eager(batch, length)
