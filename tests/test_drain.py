@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import signal
 import time
+from pathlib import Path
 
 import httpx
 
 from support import rawhttp
 from support.serverproc import ServerProcess
 
+SUPPORT = Path(__file__).resolve().parent / "support"
 CHAT = "/v1/chat/completions"
 KEY = "drain-test-key"
 
@@ -140,6 +142,22 @@ def test_a_second_signal_ends_the_drain_at_once(tiny_llama, tmp_path):
         assert time.monotonic() - t0 < 3
     finally:
         proc.stop()
+
+
+def test_a_file_opened_after_the_server_exits_keeps_its_descriptor(tiny_llama):
+    """Hypercorn owns the listening socket's descriptor. mashbox's own socket object kept it
+    too, and closed it again when collected: by then the number of a file opened at exit,
+    which lost its writes (`python -m cProfile` wrote an empty profile)."""
+    proc = ServerProcess(
+        str(tiny_llama), "--ctx", "64", "--threads", "1", launcher=SUPPORT / "exit_writer.py"
+    )
+    try:
+        proc.wait_ready(120)
+        proc.proc.send_signal(signal.SIGINT)
+        assert proc.wait_exit(30) == 0
+    finally:
+        proc.stop()
+    assert "exit writer: the write landed" in proc.lines, proc.output()
 
 
 def _post(sock, path: str, body: dict, headers: dict) -> None:

@@ -97,8 +97,12 @@ async def serve(
 ) -> None:
     """Serve `ref` on the bound socket until SIGINT or SIGTERM."""
     state = ServerState(model_id=ref.id, ctx=opts.ctx or 0, slots=opts.slots, guard=guard)
+    host, port = sock.getsockname()[:2]
     config = Config()
-    config.bind = [f"fd://{sock.fileno()}"]
+    # Hypercorn's own socket object owns the descriptor from here on: ours, still holding it,
+    # would close it again when collected, after its number was reused (by a file opened at
+    # exit, say, which then lost its writes).
+    config.bind = [f"fd://{sock.detach()}"]
     config.backlog = BACKLOG  # hypercorn listens again on the socket, with its own 100
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
@@ -112,7 +116,6 @@ async def serve(
     if opts.vllm_metrics:
         state.metrics.export_vllm_names()
     app = ShieldFinalSend(RefuseBadHost(RefuseWhileDraining(app, drain)))
-    host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     stop_accepting = trio.Event()
     try:

@@ -20,8 +20,17 @@ _LISTENING = re.compile(r"listening on (http://\S+)")
 class ServerProcess:
     """A `mashbox run` subprocess; its log lines are kept for assertions and failures."""
 
-    def __init__(self, model: str, *args: str, env: dict | None = None, log: Path | None = None):
-        cmd = [sys.executable, "-m", "mashbox.cli", "run", model, "--port", "0", *args]
+    def __init__(
+        self,
+        model: str,
+        *args: str,
+        env: dict | None = None,
+        log: Path | None = None,
+        launcher: Path | None = None,
+    ):
+        """launcher: a script that runs mashbox's CLI in place of `python -m mashbox.cli`."""
+        cli = [str(launcher)] if launcher else ["-m", "mashbox.cli"]
+        cmd = [sys.executable, *cli, "run", model, "--port", "0", *args]
         self.lines: list[str] = []
         self._listening = threading.Event()
         self.url: str | None = None
