@@ -18,8 +18,9 @@
    device-to-device copy moves there, and batch-1 steps under torch's profiler, at the short
    and the long context: their kernels' count and time, and the costliest of them.
 
-Prints a compact report; with $OUT set, also writes it to $OUT/gpu_check.json. About 3-4
-minutes on an H200 (2 before the indexed attention and the long row: not timed since).
+Prints a compact report, each part as soon as it is measured; with $OUT set, also writes it to
+$OUT/gpu_check.json at the end. About 3-4 minutes on an H200 (2 before the indexed attention
+and the long row: not timed since).
 
 On this workplace's device machine: `bash bench/gpu_session.sh`, which runs this script
 beside the rest of the GPU checks (its header has the device command and the wheels it needs).
@@ -239,8 +240,22 @@ def speed(cfg, device: torch.device, *, slots, ctx, batches, warmup, steps, fill
     # ...and, for one more batch-1 row, an agent's long conversation: slot 0 nearly full.
     long_lengths = [ctx - warmup - steps - 64, *lengths[1:]]
     weight_bytes = model.decode_nbytes
-    limit_s = weight_bytes / BANDWIDTH
-    rows, captures, profiles = [], {}, {}
+    report = {
+        "shape": "llama-3-8b" if cfg == LLAMA3_8B else "smoke",
+        "dtype": str(dtype).removeprefix("torch."),
+        "slots": slots,
+        "ctx": ctx,
+        "weight_bytes": weight_bytes,
+        "limit_ms": round(weight_bytes / BANDWIDTH * 1e3, 3),
+        "bandwidth": BANDWIDTH,
+        "copy_bandwidth": copy_bandwidth(device),
+        "capture": {},
+        "profile_batch_1_eager": {},
+        "max_memory_allocated": 0,
+        "steps": [],
+    }
+    print_speed_header(report)
+    rows = report["steps"]
     for glue_name, attention in CONFIGS:
         if glue_name not in glues:
             continue
@@ -248,16 +263,18 @@ def speed(cfg, device: torch.device, *, slots, ctx, batches, warmup, steps, fill
         config = f"{glue_kind(model.glue)}/{attention}"
         compiles, t0 = compiles_so_far(), time.perf_counter()
         decoder = GraphDecoder(model, cache, indexed=attention == "indexed")
-        if attention == "indexed" and decoder.indexed is None:  # it did not compile
-            captures[config] = {"graphs": 0, "compiles": 0, "seconds": 0, "eager_reason":
-                                "indexed attention did not compile (see the log)"}  # fmt: skip
-            continue
-        captures[config] = {
+        capture = {
             "graphs": len(decoder.graphs),
             "compiles": compiles_so_far() - compiles,
             "seconds": round(time.perf_counter() - t0, 2),
             "eager_reason": decoder.eager_reason,
         }
+        if attention == "indexed" and decoder.indexed is None:  # it did not compile
+            capture["eager_reason"] = "indexed attention did not compile (see the log)"
+        report["capture"][config] = capture
+        print_capture(config, capture)
+        if attention == "indexed" and decoder.indexed is None:
+            continue
         modes = {
             "fixed-eager": lambda s, i, p, d=decoder: d.decode(s, i, p, eager=True),
             "graph": lambda s, i, p, d=decoder: d.decode(s, i, p),
@@ -267,7 +284,9 @@ def speed(cfg, device: torch.device, *, slots, ctx, batches, warmup, steps, fill
         timed = speed_rows(cfg, model, cache, decoder, modes, lengths, batches, warmup, steps)
         graph = {"graph": modes["graph"]}
         timed += speed_rows(cfg, model, cache, decoder, graph, long_lengths, (1,), warmup, steps)
-        rows += [{"config": config, **row} for row in timed]
+        timed = [{"config": config, **row} for row in timed]
+        print_rows(timed)
+        rows += timed
         if device.type == "cuda":
             for context, at in (("short", lengths[0]), ("long", long_lengths[0] + steps + 8)):
                 one = (torch.tensor([7], device=device), torch.tensor([at], device=device))
@@ -277,22 +296,12 @@ def speed(cfg, device: torch.device, *, slots, ctx, batches, warmup, steps, fill
                     )
                 except Exception as e:  # a profile is a bonus: the numbers above stand alone
                     profile = {"kernels": 0, "kernel_us": 0, "top": [[repr(e), 0, 0]]}
-                profiles[f"{config}, {context} context ({at + 1} keys)"] = profile
-    memory = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    return {
-        "shape": "llama-3-8b" if cfg == LLAMA3_8B else "smoke",
-        "dtype": str(dtype).removeprefix("torch."),
-        "slots": slots,
-        "ctx": ctx,
-        "weight_bytes": weight_bytes,
-        "limit_ms": round(limit_s * 1e3, 3),
-        "bandwidth": BANDWIDTH,
-        "copy_bandwidth": copy_bandwidth(device),
-        "capture": captures,
-        "profile_batch_1_eager": profiles,
-        "max_memory_allocated": memory,
-        "steps": rows,
-    }
+                case = f"{config}, {context} context ({at + 1} keys)"
+                report["profile_batch_1_eager"][case] = profile
+                print_profile(case, profile)
+    if device.type == "cuda":
+        report["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+    return report
 
 
 def speed_rows(cfg, model, cache, decoder, modes, lengths, batches, warmup, steps) -> list:
@@ -341,9 +350,11 @@ def speed_rows(cfg, model, cache, decoder, modes, lengths, batches, warmup, step
 # Report -----------------------------------------------------------------------------------
 
 
-def print_report(report: dict) -> None:
-    print(f"gpu_check on {report['device']} (torch {report['torch']})")
-    c = report["correctness"]
+# Each part is printed as soon as it is measured: a run cut short by its timeout (a lent GPU's
+# minutes are few) still shows everything it got to.
+
+
+def print_correctness(c: dict) -> None:
     print(f"correctness: {c['model']}, 3 prompts x 32 greedy tokens, first-step logits")
     print(f"  (logits up to {c['logit_scale']:.2f} in magnitude)")
     for name, v in [*c["vs_cpu_float32"].items(), ("graph vs eager", c["graph_vs_eager"])]:
@@ -352,29 +363,39 @@ def print_report(report: dict) -> None:
             f"  max |logit diff| {v['max_logit_diff']:.4f}"
         )
     print(f"  graphs captured: {c['graphs']} {c['eager_reason'] or ''}".rstrip())
-    print(f"  indexed attention compiled: {c['indexed_compiled']}")
-    s = report["speed"]
+    print(f"  indexed attention compiled: {c['indexed_compiled']}", flush=True)
+
+
+def print_speed_header(s: dict) -> None:
     print(
         f"speed: {s['shape']} {s['dtype']}, {s['slots']} slots, ctx {s['ctx']}; weights "
         f"{s['weight_bytes'] / 1e9:.2f} GB/step, limit {s['limit_ms']:.3f} ms at "
         f"{s['bandwidth'] / 1e12:.1f} TB/s (a copy moved {s['copy_bandwidth'] / 1e12:.2f} TB/s)"
     )
-    for config, cap in s["capture"].items():
-        print(f"  {config}: {cap['graphs']} graphs, {cap['compiles']} compiles in all, "
-              f"{cap['seconds']} s {cap['eager_reason']}")  # fmt: skip
-    for case, prof in s["profile_batch_1_eager"].items():
-        print(f"  {case}, batch 1 eager: {prof['kernels']} kernels, {prof['kernel_us']} us")
-        for name, count, us in prof["top"]:
-            print(f"      {us:>9.1f} us {count:>5}x {name}")
     print("  batch config            mode         ms/step     tok/s  of limit  KV MB: needed / "
-          "read   B,L")  # fmt: skip
-    for r in s["steps"]:
+          "read   B,L", flush=True)  # fmt: skip
+
+
+def print_capture(config: str, cap: dict) -> None:
+    print(f"  {config}: {cap['graphs']} graphs, {cap['compiles']} compiles in all, "
+          f"{cap['seconds']} s {cap['eager_reason']}", flush=True)  # fmt: skip
+
+
+def print_rows(rows: list) -> None:
+    for r in rows:
         print(
             f"  {r['batch']:>5} {r['config']:<17} {r['mode']:<12} {r['ms']:>8.3f}"
             f" {r['tok_s']:>9.1f}"
             f"  {r['of_limit']:>8.3f}  {r['kv_bytes_real'] / 1e6:>10.1f} /"
-            f" {r['kv_bytes_read'] / 1e6:<10.1f} {r['bucket'][0]},{r['bucket'][1]}"
+            f" {r['kv_bytes_read'] / 1e6:<10.1f} {r['bucket'][0]},{r['bucket'][1]}",
+            flush=True,
         )
+
+
+def print_profile(case: str, prof: dict) -> None:
+    print(f"  {case}, batch 1 eager: {prof['kernels']} kernels, {prof['kernel_us']} us")
+    for name, count, us in prof["top"]:
+        print(f"      {us:>9.1f} us {count:>5}x {name}", flush=True)
 
 
 def main() -> None:
@@ -393,10 +414,11 @@ def main() -> None:
         cfg = LLAMA3_8B
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = {"device": name, "torch": torch.__version__}
+    print(f"gpu_check on {name} (torch {torch.__version__})", flush=True)
     with tempfile.TemporaryDirectory() as workdir:
         report["correctness"] = correctness(args.device, Path(workdir))
+    print_correctness(report["correctness"])
     report["speed"] = speed(cfg, device, **shape)
-    print_report(report)
     if os.environ.get("OUT"):
         out = Path(os.environ["OUT"]) / "gpu_check.json"
         out.write_text(json.dumps(report, indent=1))
