@@ -1,5 +1,6 @@
 """Drain on SIGTERM (`--drain-timeout`): a replica behind a router stops taking new requests
-at once, lets the streams it took finish, then exits 0, against a real `mashbox run`."""
+at once, lets the streams it took finish, then exits 0, against a real `mashbox run`; and
+after it exits, no descriptor of its is closed again under the program around it."""
 
 from __future__ import annotations
 
