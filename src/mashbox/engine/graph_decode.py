@@ -24,7 +24,7 @@ from torch import Tensor
 
 from . import indexed_attention
 from .kv_cache import KVCache
-from .model import Model
+from .model import Model, compile_failure
 from .sampling import DecodeLogits
 
 log = logging.getLogger("mashbox")
@@ -228,14 +228,18 @@ class GraphDecoder:
         self.indexed = indexed_attention.compiled()
         try:
             with torch.inference_mode(not captured or torch.is_inference_mode_enabled()):
-                for batch in reversed(self.batches):
-                    for length in reversed(self.lengths):
-                        self._eager(batch, length)
+                for batch, length in self._buckets_largest_first():
+                    self._eager(batch, length)
         except Exception as e:
             self.indexed = None
-            reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
             log.warning("decode attention over slots in place did not compile (%s): "
-                        "attending over gathered copies", reason)  # fmt: skip
+                        "attending over gathered copies", compile_failure(e))  # fmt: skip
+
+    def _buckets_largest_first(self):
+        """Every (B, L), the largest first (captures then reuse the first's memory)."""
+        for batch in reversed(self.batches):
+            for length in reversed(self.lengths):
+                yield batch, length
 
     def _capture_all(self) -> None:
         """Capture every (B, L), then check two replays against eager runs; on any failure
@@ -247,10 +251,9 @@ class GraphDecoder:
         global captures
         try:
             pool = torch.cuda.graph_pool_handle()
-            for batch in reversed(self.batches):
-                for length in reversed(self.lengths):
-                    self.graphs[batch, length] = self._capture(batch, length, pool)
-                    captures += 1
+            for batch, length in self._buckets_largest_first():
+                self.graphs[batch, length] = self._capture(batch, length, pool)
+                captures += 1
             self._check()
             self.eager_reason = ""
         except Exception as e:  # a failed capture or check must not stop the server

@@ -110,6 +110,11 @@ def wants_compiled_glue(device: torch.device) -> bool:
     return choice == "1" or (choice != "0" and device.type == "cuda")
 
 
+def compile_failure(e: Exception) -> str:
+    """A failed torch.compile's exception on one short line (inductor's run to many)."""
+    return " ".join(f"{type(e).__name__}: {e}".split())[:300]
+
+
 def warmed_compiled_glue(model: Model) -> SimpleNamespace:
     """compiled_glue, compiled now: a forward of 1 and of 2 tokens in inference mode, as the
     engine's steps run (torch.compile specialises on a size of 1, and guards on strides and
@@ -124,10 +129,9 @@ def warmed_compiled_glue(model: Model) -> SimpleNamespace:
                 positions = torch.arange(rows, device=model.device)
                 model.forward(ids, positions, lambda i, q, k, v: q.reshape(q.shape[0], -1))
     except Exception as e:
-        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]  # inductor's: many lines
         log.warning("torch.compile failed (%s): norms, RoPE and SiLU run as torch's ops one "
                     "by one, a slower decode step (set %s=0 to skip the attempt)",
-                    reason, GLUE_ENV)  # fmt: skip
+                    compile_failure(e), GLUE_ENV)  # fmt: skip
         return TORCH_GLUE
     return glue
 
