@@ -1,10 +1,11 @@
 """Engine.step with this tree's decode stack (A) against another build's (B), in one process.
 
-    bash bench/stack_ab.sh REV [ROUNDS]     # builds REV's kernels, then runs this
+    bash bench/stack_ab.sh REV [ROUNDS [REPEAT]]     # builds REV's kernels, then runs this
 
 Both stacks hold the same weights and write the same KV cache; rounds of 128 greedy steps
 (SmolLM2, one row, positions 36-164) take turns in random order, and each round's median
-step time gives a ratio A / B. Both sides must pick the same tokens. Two processes a minute
+step time gives a ratio A / B. REPEAT (default 1) runs each step that many times back to back
+(`Step.repeat`, as the server's decode bursts do), and a step's time is per run. Both sides must pick the same tokens. Two processes a minute
 apart differ by more than the few percent a change to the stack's code moves; on the AVX-512
 host (stop 40) a build against itself read 1.000 (quartiles 0.991-1.014) over 30 rounds.
 """
@@ -27,6 +28,7 @@ PROMPT = tuple(range(10, 46))
 
 def main() -> None:
     library, rounds = Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 30
+    repeat = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     path = registry.fetch(registry.resolve(registry.DEFAULT_MODEL), registry.default_models_dir())
     engine = Engine(path, slots=1, ctx=1024, decode_weights="int4a16")
     model = engine.model
@@ -44,11 +46,12 @@ def main() -> None:
             admit = Admit(0, SamplingParams(), PROMPT)
             engine.step(Step(1, admits=(admit,), prefills=(Prefill(0, 0, PROMPT, True),)))
             steps, tokens = [], []
-            for position in range(len(PROMPT), len(PROMPT) + 128):
+            for position in range(len(PROMPT), len(PROMPT) + 128, repeat):
                 start = time.perf_counter()
-                result = engine.step(Step(2, decodes=(Decode(0, PREVIOUS, position),)))
-                steps.append(time.perf_counter() - start)
-                tokens.append(result.tokens[0])
+                step = Step(2, decodes=(Decode(0, PREVIOUS, position),), repeat=repeat)
+                result = engine.step(step)
+                steps.append((time.perf_counter() - start) / repeat)
+                tokens += [r.tokens[0] for r in (result, *result.more)]
             assert picked.setdefault(side, tokens) == tokens, f"{side} picked other tokens"
             times[side].append(statistics.median(steps) * 1e3)
     assert picked["A"] == picked["B"], "the two builds picked different tokens"

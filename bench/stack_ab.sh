@@ -3,7 +3,7 @@
 # sources are built with ChunkPool renamed, since two builds' pools would otherwise share one
 # instance (an inline function's static is one symbol process-wide) and hang.
 #
-#   bash bench/stack_ab.sh HEAD~1 [ROUNDS]
+#   bash bench/stack_ab.sh HEAD~1 [ROUNDS [REPEAT]]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rev=$1
