@@ -4,6 +4,7 @@ attention, the rest) and how close each comes to the practical peak.
     python bench/prefill_roofline.py                                  # SmolLM2, 2,048 tokens
     python bench/prefill_roofline.py --model qwen2.5-coder-0.5b-instruct --tokens 20480
     python bench/prefill_roofline.py --torch-attention   # torch's attention, for comparison
+    python bench/prefill_roofline.py --no-amx     # the AVX-512 matmuls alone, where AMX is on
 
 The Engine alone (no server), the prompt fed in --chunk-token chunks as the scheduler feeds
 it (`--prefill-chunk`). FLOPs: 2 per weight per token for the layer matmuls, 4 * keys *
@@ -11,8 +12,9 @@ head_dim per query head per layer for attention (QK^T and AV over the keys each 
 The peaks are measured, not quoted, on the same threads: float32 sgemm (torch.mm, MKL) of
 2048 x 2048 matrices, best of 5, the practical one; and independent float32 FMAs at the CPU's
 widest vectors (compiled here with -march=native), the ceiling for attention, and independent
-int16 dot products (`vpdpwssd`), the ceiling for the int4a16 matmuls. On 2 cores nothing else
-should run meanwhile.
+int16 dot products (`vpdpwssd`), the ceiling for the int4a16 matmuls; where the kernels put
+their prefill chunks on AMX, its int8 tile products instead (two a product: an activation's
+high and low bytes). On 2 cores nothing else should run meanwhile.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from mashbox.engine import cpu_kernels
 from mashbox.engine.engine import Engine
 from mashbox.registry import DEFAULT_MODEL, default_models_dir, fetch, resolve
 
@@ -103,22 +106,55 @@ double dot16_gops(int64_t iterations) {
   return sink.size() * static_cast<double>(iterations) * CHAINS * (sizeof(words) / 2) * 2 / s /
          1e9;
 }
+
+// AMX's int8 tile products (16 x 64 by 64 x 16 into int32, four independent sums) on every
+// thread, GOP/s; 0 where the build or Linux has no AMX. The int4a16 matmuls' prefill chunks
+// take two a product (an int16 activation's high and low bytes).
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+double amx_gops(int64_t iterations) {
+  if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) return 0;
+  const double s = seconds_on_every_thread([&](int64_t) {
+    struct {
+      uint8_t palette = 1, start_row = 0, reserved[14] = {};
+      uint16_t colsb[16] = {64, 64, 64, 64, 64, 64};
+      uint8_t rows[16] = {16, 16, 16, 16, 16, 16};
+    } config;
+    _tile_loadconfig(&config);
+    alignas(64) int8_t a[16 * 64] = {1}, b[16 * 64] = {1};
+    _tile_loadd(4, a, 64);
+    _tile_loadd(5, b, 64);
+    for (int64_t it = 0; it < iterations; ++it) {
+      _tile_dpbssd(0, 4, 5);
+      _tile_dpbssd(1, 4, 5);
+      _tile_dpbssd(2, 4, 5);
+      _tile_dpbssd(3, 4, 5);
+    }
+    _tile_release();
+  });
+  return at::get_num_threads() * static_cast<double>(iterations) * 4 * 16 * 16 * 64 * 2 / s / 1e9;
+}
+#else
+double amx_gops(int64_t) { return 0; }
+#endif
 """
 
 
-def peaks(iterations: int = 10_000_000) -> tuple[float, float]:
-    """GFLOP/s of independent float32 FMAs and GOP/s of int16 dot products on every thread,
-    best of 3 each."""
+def peaks(iterations: int = 10_000_000) -> tuple[float, float, float]:
+    """GFLOP/s of independent float32 FMAs, GOP/s of int16 dot products and of AMX's int8
+    tile products (0: none) on every thread, best of 3 each."""
     from torch.utils.cpp_extension import load_inline
 
     module = load_inline(
-        "mashbox_isa_peaks", PEAK_LOOPS, functions=["fma_gflops", "dot16_gops"],
+        "mashbox_isa_peaks", PEAK_LOOPS, functions=["fma_gflops", "dot16_gops", "amx_gops"],
         extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
     )  # fmt: skip
     return (
         max(module.fma_gflops(iterations) for _ in range(3)),
         max(module.dot16_gops(iterations) for _ in range(3)),
+        max(module.amx_gops(iterations // 10) for _ in range(3)),
     )
 
 
@@ -147,7 +183,14 @@ def main() -> None:
     parser.add_argument(
         "--torch-attention", action="store_true", help="torch's attention, not the kernel's"
     )
+    parser.add_argument(
+        "--no-amx", action="store_true", help="the AVX-512 kernels alone, where AMX is on"
+    )
     args = parser.parse_args()
+    kernel = cpu_kernels.load()
+    if args.no_amx and kernel is not None:
+        kernel.set_amx(False)
+    amx = kernel is not None and kernel.amx() == "on"
     ref = resolve(args.model)
     path = fetch(ref, default_models_dir())
     engine = Engine(
@@ -158,10 +201,12 @@ def main() -> None:
         kv_dtype=args.kv_dtype,
     )
     cfg = engine.model.cfg
-    peak, (ceiling, dot16) = sgemm_peak(), peaks()
+    peak, (ceiling, dot16, amx8) = sgemm_peak(), peaks()
     print(f"{ref.id}, {args.tokens} tokens in chunks of {args.chunk}, {torch.get_num_threads()} "
           f"threads; float32 sgemm peak here: {peak:.1f} GFLOP/s, FMA ceiling "
-          f"{ceiling:.1f}, int16 dot-product ceiling {dot16:.1f} GOP/s")  # fmt: skip
+          f"{ceiling:.1f}, int16 dot-product ceiling {dot16:.1f} GOP/s, AMX int8 "
+          f"{amx8:.0f} GOP/s; prefill matmuls on AMX: "
+          f"{'yes' if amx else kernel.amx() if kernel else 'no kernels'}")  # fmt: skip
 
     attention_s = 0.0
 
@@ -206,10 +251,13 @@ def main() -> None:
           f"({(matmul_flop + attention_flop) / total / 1e9 / peak:.0%} of sgemm's)")  # fmt: skip
     # Attention is float32 FMAs, bound by the FMA ceiling; the 4-bit matmuls with int16
     # activations (the default int4a16) are int16 dot products, bound by that ceiling (int4a8's
-    # int8 ones run at twice its rate, float32 activations at the FMA ceiling).
+    # int8 ones run at twice its rate, float32 activations at the FMA ceiling), or on AMX by
+    # half its int8 rate (two tile products a product; Q6_K and Q8_0 matrices stay off it).
+    matmul_bound = (amx8 / 2, "AMX's int8 ceiling / 2") if amx else (
+        dot16, "the int16 dot-product ceiling")  # fmt: skip
     for part, flop, seconds, bound in (
         ("attention", attention_flop, attention_s, (ceiling, "the FMA ceiling")),
-        ("matmuls and the rest", matmul_flop, rest_s, (dot16, "the int16 dot-product ceiling")),
+        ("matmuls and the rest", matmul_flop, rest_s, matmul_bound),
     ):
         rate = flop / seconds / 1e9
         share = f", {rate / bound[0]:.0%} of {bound[1]}"

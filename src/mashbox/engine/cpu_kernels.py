@@ -87,6 +87,11 @@ def load():
     _report, module = _walk_ladder()
     if module is not None:
         builds += 1
+        if module.amx().startswith("refused"):  # the CPU and the build have it, Linux not
+            log.warning(
+                "AMX %s: prefill chunks' matmuls take AVX-512 alone, several times slower",
+                module.amx(),
+            )
     else:
         log.warning(
             "CPU kernels unavailable: %s. Decode falls back to torch's ops, several "

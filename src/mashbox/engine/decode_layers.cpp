@@ -417,7 +417,7 @@ static torch::Tensor rows_rope(torch::Tensor x, torch::Tensor cos, torch::Tensor
 // What this build's code uses, as the ready line and /v1/models name it.
 static std::string isa() {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-  return "avx512+vnni";
+  return amx_status() == "on" ? "avx512+vnni+amx" : "avx512+vnni";
 #elif defined(__AVX512F__)
   return "avx512";
 #elif defined(__AVXVNNI__)
@@ -429,6 +429,9 @@ static std::string isa() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction sets this build's kernels use");
+  m.def("amx", &amx_status, "whether prefill chunks' Q4 and Q5 matmuls take AMX tiles (\"on\"), "
+        "or why not");
+  m.def("set_amx", &set_amx, "AMX on (where it is \"on\") or off: the same bits either way");
   m.def("int8_linear", &int8_linear, "y = x . (q * scale)^T, q packed by pack_int8");
   m.def("q4_linear", &q4_linear, "y = x . W^T, W a GGUF's 4-bit blocks packed by pack_q4");
   m.def("q8_linear", &q8_linear, "y = x . W^T, W a GGUF's Q8_0 blocks packed by pack_q8");

@@ -1,7 +1,16 @@
 #include "cpu_kernels.h"
 
+#include <cerrno>
 #include <cmath>
+#include <cstring>
+#include <string>
 #include <type_traits>
+// AMX beside AVX-512 (a native build with -mno-avx512f has AMX's intrinsics, not zmm's).
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define MASHBOX_AMX 1
+#endif
 
 // y[M, N] = x[M, K] . W^T with W a GGUF file's own Q4 or Q5 blocks (packed as for q4_gemm and
 // q5_gemm, blocks_gemm.cpp: Q4_0 / Q4_1 / Q5_0 / Q5_1 with fp16 d and m, Q4_K's and Q5_K's
@@ -292,6 +301,107 @@ static inline void words_block(const Rounded& x, const uint8_t* qs, int v0, cons
   store_rows<1, MB>(out, y, n0, m0, N);
 }
 
+// ---- AMX tiles for prefill chunks ----------------------------------------------------------
+// A prefill chunk's Q4 and Q5 matmuls with int16 activations are bound by the dot products'
+// arithmetic (~83% of vpdpwssd's ceiling on the AVX-512 host, docs/performance.md). AMX's
+// tiles multiply 16 x 64 int8 by 64 x 16 in one instruction. Each block of 32 still needs
+// its own exact int32 sums (its scales are its own), so a block takes four tile products
+// (the high and the low bytes of the activations, times two vectors of weights), and
+// add_group_sums finishes them exactly as rounded_block does: the same integers, the same
+// float operations in the same order, so the same bits as the AVX-512 kernels at any M.
+static std::atomic<bool> amx_wanted{true};
+
+#ifdef MASHBOX_AMX
+// Linux gives a process AMX's 8 KiB of tile state only when asked (arch_prctl); 0 or the
+// errno of its refusal (a kernel before 5.16, or a hypervisor that hides it).
+static int amx_refused() {
+  static const int refused = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : errno;
+  }();
+  return refused;
+}
+
+static bool amx_enabled() {
+  return amx_wanted.load(std::memory_order_relaxed) && amx_refused() == 0;
+}
+
+// The tiles: 0-3 the sums (16 rows x 16 outputs, int32: high bytes times vector 0, low bytes
+// times vector 0, then vector 1's), 4 and 5 a block of 16 rows' high and low bytes (16 x 32),
+// 6 and 7 a block of each vector's weights (8 x 64: weight_bytes's layout is AMX's B).
+static void load_tile_config() {
+  struct {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 32, 32, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 8, 8};
+  } config;
+  _tile_loadconfig(&config);
+}
+
+// Rows [0, M - M % 16) of the tile at qs (its scales at `scales`) into y from column n0, 16
+// rows at a time; returns how many rows it did. x: the rows' int16 as bytes.
+template <int RECORD, typename S>
+static int64_t amx_rows(const Rounded& x, const uint8_t* qs, const S* scales, int derived_m,
+                        float* y, int64_t n0, int64_t M, int64_t K, int64_t N) {
+  static_assert(VPT == 2 && LANES == 16, "AMX's B holds one vector of 16 outputs");
+  const int64_t tile_qs = K / 8 * RECORD, tile_s = tile_scales<RECORD, S>(K, derived_m);
+  const int64_t rows = M - M % 16;
+  load_tile_config();
+  alignas(64) int32_t sums[4][16][16];
+  alignas(64) uint8_t weights[VPT][8][64];
+  for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+    alignas(64) float out[16][VPT * LANES] = {};
+    for (int64_t b = 0; b < K / BLOCK; ++b) {
+      UNROLL for (int v = 0; v < VPT; ++v)
+        UNROLL for (int group = 0; group < BLOCK / 8; ++group) {
+          vint low, high;
+          weight_bytes<RECORD>(qs, v, b * BLOCK / 8 + group, tile_qs, low, high);
+          _mm512_store_si512(weights[v][2 * group], low);
+          _mm512_store_si512(weights[v][2 * group + 1], high);
+        }
+      const int64_t at = m0 * K + b * BLOCK;
+      _tile_loadd(4, x.high.data() + at, K);
+      _tile_loadd(5, x.low.data() + at, K);
+      _tile_loadd(6, weights[0], 64);
+      _tile_loadd(7, weights[1], 64);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_dpbssd(0, 4, 6);  // signed high bytes, weights 0..31 (signed or not)
+      _tile_dpbusd(1, 5, 6);  // unsigned low bytes
+      _tile_dpbssd(2, 4, 7);
+      _tile_dpbusd(3, 5, 7);
+      _tile_stored(0, sums[0], 64);
+      _tile_stored(1, sums[1], 64);
+      _tile_stored(2, sums[2], 64);
+      _tile_stored(3, sums[3], 64);
+      vint sum[16][VPT];
+      UNROLL for (int j = 0; j < 16; ++j)
+        UNROLL for (int v = 0; v < VPT; ++v)
+          sum[j][v] = shift_add(_mm512_load_si512(sums[2 * v][j]), 8,
+                                _mm512_load_si512(sums[2 * v + 1][j]));
+      add_group_sums<VPT, 16, RECORD>(sum, x, scales, tile_s, 0, derived_m, out, b, m0, K);
+    }
+    store_rows<VPT, 16>(out, y, n0, m0, N);
+  }
+  _tile_release();  // a context switch saves 8 KiB less
+  return rows;
+}
+#endif
+
+std::string amx_status() {
+#ifdef MASHBOX_AMX
+  if (const int refused = amx_refused())
+    return std::string("refused by Linux (arch_prctl: ") + std::strerror(refused) + ")";
+  return amx_wanted.load() ? "on" : "turned off";
+#else
+  return "not in this build";
+#endif
+}
+
+void set_amx(bool on) { amx_wanted.store(on); }
+
 // Round x per block (quantize_rows), then spread the tiles as q4_gemm does.
 template <bool INT16, int RECORD, typename S>
 static void rounded_gemm(const float* x, const uint8_t* qs, const S* scales, float* y, int64_t M,
@@ -300,9 +410,16 @@ static void rounded_gemm(const float* x, const uint8_t* qs, const S* scales, flo
                 tile_s = tile_scales<RECORD, S>(K, derived_m);
   // One row: int16 as bytes (rounded_block); several: whole (words_block), but for Q6, whose
   // groups of 16 would pay words_block's pair sums twice as often.
+  // A prefill chunk's rows on AMX: int16 as bytes, as its tiles take them.
   constexpr bool Q6 = RECORD == Q6_RECORD, WORDS = INT16 && !Q6;
-  const Rounded r = WORDS && M > 1 ? quantize_rows<32767, true>(x, M, K)
-                                   : quantize_rows<INT16 ? 32767 : 127, false, Q6>(x, M, K);
+#ifdef MASHBOX_AMX
+  const bool amx = WORDS && M > POOLED_ROWS && amx_enabled();
+#else
+  constexpr bool amx = false;
+#endif
+  const Rounded r = WORDS && M > 1 && !amx
+                        ? quantize_rows<32767, true>(x, M, K)
+                        : quantize_rows<INT16 ? 32767 : 127, false, Q6>(x, M, K);
   auto tile = [&](auto v_count, auto rows, int64_t t, int v0, int64_t m) {
     constexpr int V = decltype(v_count)::value, MB = decltype(rows)::value;
     rounded_block<V, MB, RECORD, INT16>(r, qs + t * tile_qs, v0, scales + t * tile_s, derived_m,
@@ -328,17 +445,24 @@ static void rounded_gemm(const float* x, const uint8_t* qs, const S* scales, flo
       one_row,
       [&](int64_t t) {
         int64_t m = 0;
+#ifdef MASHBOX_AMX
+        if (amx)  // then its last M % 16 rows as bytes, below
+          m = amx_rows<RECORD>(r, qs + t * tile_qs, scales + t * tile_s, derived_m, y, t * TILE,
+                               M, K, N);
+#endif
         if constexpr (WORDS) {
-          auto words = [&](auto rows, int64_t m) {
-            for (int v0 = 0; v0 < VPT; ++v0)
-              words_block<decltype(rows)::value, RECORD>(r, qs + t * tile_qs, v0,
-                                                         scales + t * tile_s, derived_m, y,
-                                                         t * TILE + v0 * LANES, m, K, N);
-          };
-          for (; M - m >= ACCUMULATORS / 2; m += ACCUMULATORS / 2)
-            words(integral_constant<int, ACCUMULATORS / 2>{}, m);
-          for (; M - m >= 1; ++m) words(integral_constant<int, 1>{}, m);
-          return;
+          if (!amx) {
+            auto words = [&](auto rows, int64_t m) {
+              for (int v0 = 0; v0 < VPT; ++v0)
+                words_block<decltype(rows)::value, RECORD>(r, qs + t * tile_qs, v0,
+                                                           scales + t * tile_s, derived_m, y,
+                                                           t * TILE + v0 * LANES, m, K, N);
+            };
+            for (; M - m >= ACCUMULATORS / 2; m += ACCUMULATORS / 2)
+              words(integral_constant<int, ACCUMULATORS / 2>{}, m);
+            for (; M - m >= 1; ++m) words(integral_constant<int, 1>{}, m);
+            return;
+          }
         }
         for (; M - m >= R; m += R)
           for (int v0 = 0; v0 < VPT; v0 += 2)
