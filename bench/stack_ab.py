@@ -5,9 +5,10 @@
 Both stacks hold the same weights and write the same KV cache; rounds of 128 greedy steps
 (SmolLM2, one row, positions 36-164) take turns in random order, and each round's median
 step time gives a ratio A / B. REPEAT (default 1) runs each step that many times back to back
-(`Step.repeat`, as the server's decode bursts do), and a step's time is per run. Both sides must pick the same tokens. Two processes a minute
-apart differ by more than the few percent a change to the stack's code moves; on the AVX-512
-host (stop 40) a build against itself read 1.000 (quartiles 0.991-1.014) over 30 rounds.
+(`Step.repeat`, as the server's decode bursts do), and a step's time is per run. Both sides
+must pick the same tokens. Two processes a minute apart differ by more than the few percent a
+change to the stack's code moves; on the AVX-512 host (stop 40) a build against itself read
+1.000 (quartiles 0.991-1.014) over 30 rounds.
 """
 
 from __future__ import annotations

@@ -177,6 +177,24 @@ static inline void add_q6_sums(const vint (&sum)[MB][V], const Rounded& x,
   }
 }
 
+// Vector v's d and m for scale group b of Q4 and Q5 records (v within the tile whose scales
+// are at `scales`, tile: their bytes): the K-quants' d * sc and -dmin * mn (S = uint8_t, as
+// stored), or the blocks' own (block_scales).
+template <typename S>
+static inline void group_scales(const S* scales, int64_t tile, int v, int derived_m, int64_t b,
+                                vfloat& d, vfloat& m) {
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    const uint8_t* s = scales + v / VPT * tile + b / K_GROUPS * K_SCALES;
+    const int64_t group = b % K_GROUPS * TILE, lane = v % VPT * LANES;
+    const auto* half = reinterpret_cast<const uint16_t*>(s + 2 * K_GROUPS * TILE) + lane;
+    d = vmul(from_half(half), to_float(widen_u8(s + group + lane)));
+    m = vmul(from_half(half + TILE), to_float(widen_u8(s + K_GROUPS * TILE + group + lane)));
+  } else {
+    block_scales(scales + vec_offset(v, tile) + b * scales_per_block(derived_m) * TILE,
+                 derived_m, d, m);
+  }
+}
+
 // A scale group's sums into out, by the record's kind and the scales' type; scales: the
 // tile's, tile: their bytes (tile_scales).
 template <int V, int MB, int RECORD, typename S>
@@ -185,21 +203,9 @@ static inline void add_group_sums(const vint (&sum)[MB][V], const Rounded& x, co
                                   float (&out)[MB][V * LANES], int64_t b, int64_t m0, int64_t K) {
   if constexpr (RECORD == Q6_RECORD) {
     add_q6_sums<V, MB>(sum, x, scales, v0, out, b, m0, K, tile);
-  } else if constexpr (std::is_same_v<S, uint8_t>) {
-    // The K-quants' group b: its super-block's d and -dmin times its sc and mn.
-    const int64_t at = b / K_GROUPS * K_SCALES, group = b % K_GROUPS * TILE;
-    auto k_scales = [&](int v, vfloat& d, vfloat& m) {
-      const uint8_t* s = scales + (v0 + v) / VPT * tile + at;
-      const int lane = (v0 + v) % VPT * LANES;
-      const auto* half = reinterpret_cast<const uint16_t*>(s + 2 * K_GROUPS * TILE) + lane;
-      d = vmul(from_half(half), to_float(widen_u8(s + group + lane)));
-      m = vmul(from_half(half + TILE), to_float(widen_u8(s + K_GROUPS * TILE + group + lane)));
-    };
-    add_block_sums<V, MB>(sum, x, k_scales, out, b, m0, K / BLOCK);
   } else {
-    const S* dm = scales + v0 * LANES + b * scales_per_block(derived_m) * TILE;
     auto block = [&](int v, vfloat& d, vfloat& m) {
-      block_scales(dm + vec_offset(v, tile), derived_m, d, m);
+      group_scales(scales, tile, v0 + v, derived_m, b, d, m);
     };
     add_block_sums<V, MB>(sum, x, block, out, b, m0, K / BLOCK);
   }
@@ -391,13 +397,22 @@ static int64_t amx_rows(const Rounded& x, const uint8_t* qs, const S* scales, in
         _tile_dpbssd(2, 4, 7);
         _tile_dpbusd(3, 5, 7);
       }
-      if (b > 0) {
-        vint sum[16][VPT];
-        UNROLL for (int j = 0; j < 16; ++j)
-          UNROLL for (int v = 0; v < VPT; ++v)
-            sum[j][v] = shift_add(_mm512_load_si512(sums[2 * v][j]), 8,
-                                  _mm512_load_si512(sums[2 * v + 1][j]));
-        add_group_sums<VPT, 16, RECORD>(sum, x, scales, tile_s, 0, derived_m, out, b - 1, m0, K);
+      if (b > 0) {  // add_block_sums's arithmetic, each row's as soon as it is loaded
+        vfloat d[VPT], m[VPT];
+        UNROLL for (int v = 0; v < VPT; ++v)
+          group_scales(scales, tile_s, v, derived_m, b - 1, d[v], m[v]);
+        UNROLL for (int j = 0; j < 16; ++j) {
+          const int64_t at = (m0 + j) * blocks + b - 1;
+          const vfloat dx = vbroadcast(x.dx.data() + at), xs = vbroadcast(x.xs.data() + at);
+          UNROLL for (int v = 0; v < VPT; ++v) {
+            const vint sum = shift_add(_mm512_load_si512(sums[2 * v][j]), 8,
+                                       _mm512_load_si512(sums[2 * v + 1][j]));
+            const vfloat qx = vmul(to_float(sum), dx);
+            vfloat o = vfma(d[v], qx, vload(out[j] + v * LANES));
+            o = vfma(m[v], xs, o);
+            vstore(out[j] + v * LANES, o);
+          }
+        }
       }
     }
     store_rows<VPT, 16>(out, y, n0, m0, N);
