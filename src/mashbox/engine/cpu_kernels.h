@@ -463,9 +463,9 @@ torch::Tensor q8a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
 torch::Tensor q6a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales);
 torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
 torch::Tensor q4a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
-// Causal attention of a prefill chunk over one slot's cache (prefill_attention.cpp).
 // AMX for prefill chunks' Q4 and Q5 matmuls with int16 activations (rounded_gemm.cpp): "on"
 // where this build has it and Linux grants this process its tile state, else why not.
 std::string amx_status();
 void set_amx(bool on);  // off: the AVX-512 kernels alone (the same bits), for the tests
+// Causal attention of a prefill chunk over one slot's cache (prefill_attention.cpp).
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start);

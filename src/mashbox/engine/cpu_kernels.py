@@ -89,7 +89,7 @@ def load():
         builds += 1
         if module.amx().startswith("refused"):  # the CPU and the build have it, Linux not
             log.warning(
-                "AMX %s: prefill chunks' matmuls take AVX-512 alone, several times slower",
+                "AMX %s: prefill chunks' matmuls take AVX-512 alone, ~1.5x as slow",
                 module.amx(),
             )
     else:

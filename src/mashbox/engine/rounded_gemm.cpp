@@ -313,8 +313,8 @@ static inline void words_block(const Rounded& x, const uint8_t* qs, int v0, cons
 // tiles multiply 16 x 64 int8 by 64 x 16 in one instruction. Each block of 32 still needs
 // its own exact int32 sums (its scales are its own), so a block takes four tile products
 // (the high and the low bytes of the activations, times two vectors of weights), and
-// add_group_sums finishes them exactly as rounded_block does: the same integers, the same
-// float operations in the same order, so the same bits as the AVX-512 kernels at any M.
+// add_block_sums finishes them as in rounded_block: the same integers, the same float
+// operations in the same order, so the same bits as the AVX-512 kernels at any M.
 static std::atomic<bool> amx_wanted{true};
 
 #ifdef MASHBOX_AMX
@@ -349,8 +349,9 @@ static void load_tile_config() {
 // rows at a time; returns how many rows it did. x: the rows' int16 as bytes. The tile's
 // weights are unpacked once for all its rows, into B's layout: a tile load of bytes just
 // written by vector stores waits for them to reach the cache (a fifth of the time, perf).
-// A block's tile products are issued before the previous block's sums are finished
-// (add_group_sums), so their latency hides behind that arithmetic.
+// A block's tile products are issued before the previous block's sums are finished, so their
+// latency hides behind that arithmetic; each row's are finished as soon as they are loaded
+// (with all 16 rows' sums loaded first, the registers spilled).
 template <int RECORD, typename S>
 static int64_t amx_rows(const Rounded& x, const uint8_t* qs, const S* scales, int derived_m,
                         float* y, int64_t n0, int64_t M, int64_t K, int64_t N) {
@@ -397,21 +398,18 @@ static int64_t amx_rows(const Rounded& x, const uint8_t* qs, const S* scales, in
         _tile_dpbssd(2, 4, 7);
         _tile_dpbusd(3, 5, 7);
       }
-      if (b > 0) {  // add_block_sums's arithmetic, each row's as soon as it is loaded
-        vfloat d[VPT], m[VPT];
+      if (b > 0) {
+        vfloat d[VPT], m[VPT];  // the block's scales, once for its 16 rows
         UNROLL for (int v = 0; v < VPT; ++v)
           group_scales(scales, tile_s, v, derived_m, b - 1, d[v], m[v]);
+        auto block = [&](int v, vfloat& dv, vfloat& mv) { dv = d[v], mv = m[v]; };
         UNROLL for (int j = 0; j < 16; ++j) {
-          const int64_t at = (m0 + j) * blocks + b - 1;
-          const vfloat dx = vbroadcast(x.dx.data() + at), xs = vbroadcast(x.xs.data() + at);
-          UNROLL for (int v = 0; v < VPT; ++v) {
-            const vint sum = shift_add(_mm512_load_si512(sums[2 * v][j]), 8,
-                                       _mm512_load_si512(sums[2 * v + 1][j]));
-            const vfloat qx = vmul(to_float(sum), dx);
-            vfloat o = vfma(d[v], qx, vload(out[j] + v * LANES));
-            o = vfma(m[v], xs, o);
-            vstore(out[j] + v * LANES, o);
-          }
+          vint sum[1][VPT];
+          UNROLL for (int v = 0; v < VPT; ++v)
+            sum[0][v] = shift_add(_mm512_load_si512(sums[2 * v][j]), 8,
+                                  _mm512_load_si512(sums[2 * v + 1][j]));
+          auto& row = reinterpret_cast<float(&)[1][VPT * LANES]>(out[j]);
+          add_block_sums<VPT, 1>(sum, x, block, row, b - 1, m0 + j, blocks);
         }
       }
     }
@@ -441,8 +439,8 @@ static void rounded_gemm(const float* x, const uint8_t* qs, const S* scales, flo
   const int64_t tiles = N / TILE, tile_qs = K / 8 * RECORD,
                 tile_s = tile_scales<RECORD, S>(K, derived_m);
   // One row: int16 as bytes (rounded_block); several: whole (words_block), but for Q6, whose
-  // groups of 16 would pay words_block's pair sums twice as often.
-  // A prefill chunk's rows on AMX: int16 as bytes, as its tiles take them.
+  // groups of 16 would pay words_block's pair sums twice as often, and for a prefill chunk's
+  // rows on AMX, whose tiles take bytes.
   constexpr bool Q6 = RECORD == Q6_RECORD, WORDS = INT16 && !Q6;
 #ifdef MASHBOX_AMX
   const bool amx = WORDS && M > POOLED_ROWS && amx_enabled();
