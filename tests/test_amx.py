@@ -5,6 +5,8 @@ fallback everywhere else, and the reference the other kernel tests check row by 
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -62,25 +64,20 @@ def random_blocks(qtype, n: int, k: int, seed: int) -> RawBlocks:
     return RawBlocks(qtype, torch.from_numpy(raw))
 
 
-@pytest.fixture
+@contextlib.contextmanager
 def avx512_alone():
-    """Turns AMX off for a call (`with avx512_alone():`), back on after."""
+    """AMX off inside the block (the AVX-512 kernels alone), back on after."""
     kernel = cpu_kernels.load()
-
-    class Off:
-        def __enter__(self):
-            kernel.set_amx(False)
-
-        def __exit__(self, *exc):
-            kernel.set_amx(True)
-
-    yield Off
-    kernel.set_amx(True)
+    kernel.set_amx(False)
+    try:
+        yield
+    finally:
+        kernel.set_amx(True)
 
 
 @pytest.mark.skipif(not amx_on(), reason="AMX is not on here (test_amx_is_on_wherever...)")
 @pytest.mark.parametrize("qtype", list(BLOCKS))
-def test_amx_gives_the_avx512_kernels_bits_at_every_prefill_row_count(qtype, avx512_alone):
+def test_amx_gives_the_avx512_kernels_bits_at_every_prefill_row_count(qtype):
     """Rows 33-256 (a prefill chunk's; 16 at a time on the tiles, the rest on AVX-512), with
     the int16 activations' full range (x spread over many magnitudes per block)."""
     k = 512
