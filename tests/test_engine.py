@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import gguf
 import numpy as np
 import pytest
@@ -335,6 +336,29 @@ def test_penalties():
     pres = apply_penalties(logits, SamplingParams(presence_penalty=0.5), prompt, counts)
     assert pres.tolist() == [2.0, -1.0, 0.0, 0.0]
     assert torch.equal(apply_penalties(logits, SamplingParams(), prompt, counts), logits)
+
+
+def test_sampling_parameters_past_float32s_range_pick_their_limits():
+    """The API takes any temperature in [0, 4] and any repetition penalty > 0; in float32 a
+    temperature of 1e-309 is 0, one of 1e-40 overflows the logits, a penalty of 1e308 is
+    infinity (and 0 times it NaN): the sampler raised on two of them, which took the engine
+    process down (fuzzing). Each now picks its limit, with no NaN on the way."""
+    logits = torch.tensor([2.0, 7.5, -2.0, 0.0, 6.0])
+    seen = torch.ones(5, dtype=torch.bool)
+    none = torch.zeros(5, dtype=torch.int32)
+    with np.errstate(invalid="raise", divide="raise"):  # a NaN, or a division by 0
+        for temperature in (2.2e-309, 1e-40):  # the limit of a vanishing temperature: greedy
+            assert sample(logits, SamplingParams(temperature=temperature, seed=3), 9) == 1
+        huge = SamplingParams(temperature=1.0, repetition_penalty=8.5e307, seed=3)
+        penalized = apply_penalties(logits, huge, seen, none)
+        # positive logits to ~0, negative ones banned, a zero stays 0: no NaN
+        assert penalized[2] == -math.inf and penalized[3] == 0 and 0 < penalized[1] < 1e-37
+        assert all(sample(penalized, huge, p) in (0, 1, 3, 4) for p in range(20))
+        tiny = SamplingParams(temperature=1.0, repetition_penalty=1e-300, seed=3)
+        penalized = apply_penalties(logits, tiny, seen, none)
+        assert penalized[1] == penalized[4] == math.inf  # past float32: certain
+        picks = {sample(penalized, attrs.evolve(tiny, seed=s), 9) for s in range(20)}
+        assert picks == {1, 4}  # the two certain tokens, equally likely
 
 
 @pytest.mark.parametrize("which", ["tiny", "tiny_llama"])

@@ -431,6 +431,30 @@ def test_every_route_says_what_a_seeded_answer_repeats_under(server):
         assert r.json()["system_fingerprint"] == f"seed-11-{deployment}", r.text
 
 
+def test_sampling_parameters_past_float32s_range_are_answered(server):
+    """Fuzzing's find (schemathesis, seed 4747): a temperature of ~1e-309 and a repetition
+    penalty of ~1e308, both in the contract's ranges, made the sampler raise in the engine
+    process; the stream ended in an error event and the engine restarted, stalling every
+    other request. Now an answer, greedy (the limit of such a temperature), and no restart."""
+    before = httpx.get(server.url + "/health").json()["worker_restarts"]
+    body = {
+        "prompt": "Tell me about Paris.",
+        "max_tokens": 8,
+        "stream": True,
+        "logprobs": 3,
+        "seed": -3328051,
+        "temperature": 2.225073858507203e-309,
+        "frequency_penalty": 1.3982782918118994,
+        "repetition_penalty": 8.481399510011722e307,
+    }
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), r.text
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+    assert httpx.get(server.url + "/health").json()["worker_restarts"] == before
+
+
 def _logprob_checks(lp: dict, top_n: int, greedy: bool) -> None:
     """Each token's entry: its text among its top list (at most top_n others), the top
     list a distribution's slice, the sampled token the likeliest at greedy."""

@@ -17,6 +17,10 @@ from ..protocol import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
 _MIX = (0x7FEB352D, 0x446CA68B, 0x2C1B3C6D)
+# A repetition penalty's range in float32: the API takes any number > 0 (as vLLM), and one
+# past float32's range became infinity or 0 there, then 0 * infinity a NaN (fuzzing: the
+# sampler raised and took the engine process down with it).
+_FINITE_POSITIVE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
 
 
 def _mix32(x):
@@ -64,9 +68,10 @@ def apply_penalties(
         return logits
     x, c = logits.float().cpu().numpy(), counts.cpu().numpy()
     if repetition:
-        rp = np.float32(params.repetition_penalty)
+        rp = np.float32(np.clip(params.repetition_penalty, *_FINITE_POSITIVE))
         seen = prompt_mask.cpu().numpy() | (c > 0)
-        x = np.where(seen, np.where(x > 0, x / rp, x * rp), x)
+        with np.errstate(over="ignore", under="ignore"):  # +-infinity: certain, or banned
+            x = np.where(seen, np.where(x > 0, x / rp, x * rp), x)
     if params.frequency_penalty or params.presence_penalty:
         c = c.astype(np.float32)
         x = x - np.float32(params.frequency_penalty) * c
@@ -132,9 +137,16 @@ def sample(logits: Tensor, params: SamplingParams, position: int) -> int:
     vocabulary wake OpenMP's threads, which then spin beside the next step's kernels, and a
     full sort of the vocabulary for top_p took 5 ms a token on SmolLM2's 49k, 16 on qwen's
     152k (now ~0.1-0.5 ms)."""
-    if params.temperature <= 0.0:
+    temperature = np.float32(params.temperature)
+    if temperature == 0.0:  # also a temperature below float32's range
         return greedy(logits[None])[0]
-    x = logits.float().cpu().numpy() / np.float32(params.temperature)
+    x = logits.float().cpu().numpy()
+    if x.max() == np.inf:  # a repetition penalty near 0 sent some there: they alone remain
+        x = np.where(np.isposinf(x), np.float32(0.0), np.float32(-np.inf))
+    with np.errstate(over="ignore"):
+        x = x / temperature
+    if x.max() == np.inf:  # so small a temperature that logits over it overflow: its limit
+        return greedy(logits[None])[0]
     n = x.shape[0]
     if 0 < params.top_k < n:
         kth = np.partition(x, n - params.top_k)[n - params.top_k]
