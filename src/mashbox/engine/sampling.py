@@ -70,8 +70,10 @@ def apply_penalties(
     if repetition:
         rp = np.float32(np.clip(params.repetition_penalty, *_FINITE_POSITIVE))
         seen = prompt_mask.cpu().numpy() | (c > 0)
-        with np.errstate(over="ignore", under="ignore"):  # +-infinity: certain, or banned
+        with np.errstate(over="ignore", under="ignore"):  # -infinity: banned
             x = np.where(seen, np.where(x > 0, x / rp, x * rp), x)
+        if rp < 1 and x.max() == np.inf:  # divided past float32's range: those alone, alike
+            x = np.where(np.isposinf(x), np.float32(0.0), np.float32(-np.inf))
     if params.frequency_penalty or params.presence_penalty:
         c = c.astype(np.float32)
         x = x - np.float32(params.frequency_penalty) * c
@@ -140,11 +142,8 @@ def sample(logits: Tensor, params: SamplingParams, position: int) -> int:
     temperature = np.float32(params.temperature)
     if temperature == 0.0:  # also a temperature below float32's range
         return greedy(logits[None])[0]
-    x = logits.float().cpu().numpy()
-    if x.max() == np.inf:  # a repetition penalty near 0 sent some there: they alone remain
-        x = np.where(np.isposinf(x), np.float32(0.0), np.float32(-np.inf))
     with np.errstate(over="ignore"):
-        x = x / temperature
+        x = logits.float().cpu().numpy() / temperature
     if x.max() == np.inf:  # so small a temperature that logits over it overflow: its limit
         return greedy(logits[None])[0]
     n = x.shape[0]
