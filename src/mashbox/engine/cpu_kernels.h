@@ -463,7 +463,7 @@ torch::Tensor q8a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
 torch::Tensor q6a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales);
 torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
 torch::Tensor q4a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
-// AMX for prefill chunks' Q4 and Q5 matmuls with int16 activations (rounded_gemm.cpp): "on"
+// AMX for prefill chunks' matmuls with int16 activations (rounded_gemm.cpp): "on"
 // where this build has it and Linux grants this process its tile state, else why not.
 std::string amx_status();
 void set_amx(bool on);  // off: the AVX-512 kernels alone (the same bits), for the tests
