@@ -61,16 +61,26 @@ struct Scratch {
 };
 
 // x[rows, K] rounded to -LIMIT..LIMIT per block (to nearest even): 127 or 32767; SUMS16: also
-// the sums per 16 (Q6's).
-template <int LIMIT, bool WHOLE = false, bool SUMS16 = false>
+// the sums per 16 (Q6's). TILED: the bytes as AMX's tiles take them (amx_rows): per 16 rows
+// and block, the 16 rows' 32 bytes one after the other, rows past the last up to a multiple
+// of 16 zeros. A tile load then reads 512 bytes in a row, where rows K apart took 16 lines
+// (qwen's down matrices, K = 4,864, ran 1.1x as fast).
+template <int LIMIT, bool WHOLE = false, bool SUMS16 = false, bool TILED = false>
 static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
-  const int64_t blocks = rows * (K / BLOCK), bytes = WHOLE ? 0 : rows * K;
+  const int64_t per_row = K / BLOCK, blocks = rows * per_row;
+  const int64_t bytes = WHOLE ? 0 : (TILED ? (rows + 15) / 16 * 16 : rows) * K;
   static thread_local Scratch room;
   Rounded r{Scratch::take(room.high, bytes), Scratch::take(room.low, LIMIT > 127 ? bytes : 0),
             Scratch::take(room.whole, WHOLE ? rows * K : 0), Scratch::take(room.dx, blocks),
             Scratch::take(room.xs, blocks), Scratch::take(room.sums16, SUMS16 ? 2 * blocks : 0)};
+  if (TILED && rows % 16) {  // the last 16 rows' bytes: zeros where no row fills them
+    std::memset(r.high.data() + rows / 16 * 16 * K, 0, 16 * K);
+    if (LIMIT > 127) std::memset(r.low.data() + rows / 16 * 16 * K, 0, 16 * K);
+  }
   for (int64_t i = 0; i < blocks; ++i) {
     const float* p = x + i * BLOCK;
+    const int64_t m = i / per_row, nth = i % per_row;  // the block's row, its place there
+    const int64_t at = TILED ? ((m / 16 * per_row + nth) * 16 + m % 16) * BLOCK : i * BLOCK;
 #if defined(__AVX512F__)
     // The scalar loop below, 16 lanes at a time: the same roundings (cvtps rounds to nearest
     // even, as nearbyint does in the default mode), so the same integers.
@@ -87,14 +97,14 @@ static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
       _mm256_storeu_si256(whole, _mm512_cvtepi32_epi16(qa));
       _mm256_storeu_si256(whole + 1, _mm512_cvtepi32_epi16(qb));
     } else if constexpr (LIMIT > 127) {
-      auto* high = reinterpret_cast<__m128i*>(r.high.data() + i * BLOCK);
-      auto* low = reinterpret_cast<__m128i*>(r.low.data() + i * BLOCK);
+      auto* high = reinterpret_cast<__m128i*>(r.high.data() + at);
+      auto* low = reinterpret_cast<__m128i*>(r.low.data() + at);
       _mm_storeu_si128(high, _mm512_cvtepi32_epi8(_mm512_srai_epi32(qa, 8)));  // floor
       _mm_storeu_si128(high + 1, _mm512_cvtepi32_epi8(_mm512_srai_epi32(qb, 8)));
       _mm_storeu_si128(low, _mm512_cvtepi32_epi8(qa));  // the low bytes
       _mm_storeu_si128(low + 1, _mm512_cvtepi32_epi8(qb));
     } else {
-      auto* bytes = reinterpret_cast<__m128i*>(r.high.data() + i * BLOCK);
+      auto* bytes = reinterpret_cast<__m128i*>(r.high.data() + at);
       _mm_storeu_si128(bytes, _mm512_cvtepi32_epi8(qa));
       _mm_storeu_si128(bytes + 1, _mm512_cvtepi32_epi8(qb));
     }
@@ -108,10 +118,10 @@ static Rounded quantize_rows(const float* x, int64_t rows, int64_t K) {
       if constexpr (WHOLE) {
         r.whole[i * BLOCK + k] = static_cast<int16_t>(q);
       } else if constexpr (LIMIT > 127) {
-        r.high[i * BLOCK + k] = static_cast<int8_t>(q >> 8);  // floor: the low byte >= 0
-        r.low[i * BLOCK + k] = static_cast<uint8_t>(q & 0xFF);
+        r.high[at + k] = static_cast<int8_t>(q >> 8);  // floor: the low byte >= 0
+        r.low[at + k] = static_cast<uint8_t>(q & 0xFF);
       } else {
-        r.high[i * BLOCK + k] = static_cast<int8_t>(q);
+        r.high[at + k] = static_cast<int8_t>(q);
       }
       halves[k / 16] += q;
     }
@@ -164,7 +174,8 @@ static inline void add_scaled_sums(const vint (&sum)[MB][V], const Rounded& x,
   UNROLL for (int v = 0; v < V; ++v) {
     const vfloat d = scale(v);
     UNROLL for (int j = 0; j < MB; ++j) {
-      const vfloat qx = vmul(to_float(sum[j][v]), vbroadcast(x.dx.data() + (m0 + j) * blocks + block));
+      const float* dx = x.dx.data() + (m0 + j) * blocks + block;
+      const vfloat qx = vmul(to_float(sum[j][v]), vbroadcast(dx));
       vstore(out[j] + v * LANES, vfma(d, qx, vload(out[j] + v * LANES)));
     }
   }
@@ -316,9 +327,9 @@ static inline void words_block(const Rounded& x, const uint8_t* qs, int v0, cons
 // ---- AMX tiles for prefill chunks ----------------------------------------------------------
 // A prefill chunk's matmuls with int16 activations are bound by the dot products' arithmetic
 // (~83% of vpdpwssd's ceiling on the AVX-512 host, docs/performance.md). AMX's tiles multiply
-// 16 x 64 int8 by 64 x 16 in one instruction. Each scale group (32 weights, Q6's 16) still
-// needs its own exact int32 sums, so a group takes four tile products (the high and the low
-// bytes of the activations, times two vectors of weights), and the AVX-512 kernels' own
+// 16 x 64 int8 by 64 x 16 in one instruction. Each block of 32 still needs its own exact
+// int32 sums (its scales are its own), so a block takes four tile products (the high and the
+// low bytes of the activations, times two vectors of weights), and the AVX-512 kernels' own
 // epilogue finishes them (add_block_sums, add_scaled_sums): the same integers, the same
 // float operations in the same order, so the same bits as the AVX-512 kernels at any M.
 static std::atomic<bool> amx_wanted{true};
@@ -351,37 +362,9 @@ static void load_tile_config() {
   _tile_loadconfig(&config);
 }
 
-// Rounded's bytes as AMX's A tiles take them: per 16 rows and block, the 16 rows' 32 bytes
-// one after the other, and rows past M up to a multiple of 16 zeros. A tile load then reads
-// 512 bytes in a row, where rows K apart took 16 lines (qwen's down matrices, K = 4,864, ran
-// 1.1x as fast).
-struct AmxRows {
-  const int8_t* high;
-  const uint8_t* low;
-};
-
-static AmxRows amx_layout(const Rounded& x, int64_t M, int64_t K) {
-  const int64_t rows = (M + 15) / 16 * 16, blocks = K / BLOCK;
-  static thread_local std::vector<int8_t> high;
-  static thread_local std::vector<uint8_t> low;
-  if (static_cast<int64_t>(high.size()) < rows * K) high.resize(rows * K), low.resize(rows * K);
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t to = ((m / 16 * blocks + b) * 16 + m % 16) * BLOCK, from = m * K + b * BLOCK;
-      if (m < M) {
-        std::memcpy(high.data() + to, x.high.data() + from, BLOCK);
-        std::memcpy(low.data() + to, x.low.data() + from, BLOCK);
-      } else {
-        std::memset(high.data() + to, 0, BLOCK);
-        std::memset(low.data() + to, 0, BLOCK);
-      }
-    }
-  return {high.data(), low.data()};
-}
-
-// A tile's 32 outputs for rows [0, M) into y from column n0, 16 rows at a time (a: their
-// bytes, amx_layout). unpack(b, v, at) writes block b's weights of vector v at `at` in B's
-// layout; group(b) returns what finishes a row's integer sums of block b into its outputs:
+// A tile's 32 outputs for rows [0, M) into y from column n0, 16 rows at a time (x: their
+// bytes, TILED). unpack(b, v, at) writes block b's weights of vector v at `at` in B's layout;
+// finisher(b) returns what finishes a row's integer sums of block b into its outputs:
 // finish(sum, row, out).
 //
 // The tile's weights are unpacked once for all its rows: a tile load of bytes just written
@@ -391,8 +374,8 @@ static AmxRows amx_layout(const Rounded& x, int64_t M, int64_t K) {
 // 16 rows' sums loaded first, the registers spilled). What bounds it is that float work and
 // the tiles' stores and loads, ~3.5 ms for 256 rows of qwen's 4864 x 896 whichever the
 // format (docs/performance.md), not the tile products.
-template <typename Unpack, typename Group>
-static void amx_rows(const AmxRows& a, const Unpack& unpack, const Group& group, float* y,
+template <typename Unpack, typename Finisher>
+static void amx_rows(const Rounded& x, const Unpack& unpack, const Finisher& finisher, float* y,
                      int64_t n0, int64_t M, int64_t K, int64_t N) {
   static_assert(VPT == 2 && LANES == 16, "AMX's B holds one vector of 16 outputs");
   constexpr int64_t B_BYTES = BLOCK / 4 * 64;  // a block's weights of one vector
@@ -410,7 +393,7 @@ static void amx_rows(const AmxRows& a, const Unpack& unpack, const Group& group,
     alignas(64) float out[16][VPT * LANES] = {};
     // Block b's sums of `rows` rows into out (rows: 16, known when compiled, or the last few).
     auto finish_rows = [&](int64_t b, auto rows) {
-      const auto finish = group(b);  // its scales, once for all the rows
+      const auto finish = finisher(b);  // its scales, once for all the rows
       UNROLL for (int j = 0; j < rows; ++j) {
         vint sum[1][VPT];
         UNROLL for (int v = 0; v < VPT; ++v)
@@ -428,8 +411,8 @@ static void amx_rows(const AmxRows& a, const Unpack& unpack, const Group& group,
       }
       if (b < blocks) {
         const int64_t at = (m0 / 16 * blocks + b) * 16 * BLOCK;
-        _tile_loadd(4, a.high + at, BLOCK);
-        _tile_loadd(5, a.low + at, BLOCK);
+        _tile_loadd(4, x.high.data() + at, BLOCK);
+        _tile_loadd(5, x.low.data() + at, BLOCK);
         _tile_loadd(6, unpacked + b * VPT * B_BYTES, 64);
         _tile_loadd(7, unpacked + (b * VPT + 1) * B_BYTES, 64);
         _tile_zero(0);
@@ -460,7 +443,7 @@ static void amx_rows(const AmxRows& a, const Unpack& unpack, const Group& group,
 // amx_rows for a tile of Q4 or Q5 records (its qs and scales), finished as rounded_block
 // finishes them (add_block_sums).
 template <int RECORD, typename S>
-static void amx_records(const Rounded& x, const AmxRows& a, const uint8_t* qs, const S* scales,
+static void amx_records(const Rounded& x, const uint8_t* qs, const S* scales,
                         int derived_m, float* y, int64_t n0, int64_t M, int64_t K, int64_t N) {
   const int64_t tile_qs = K / 8 * RECORD, tile_s = tile_scales<RECORD, S>(K, derived_m);
   auto unpack = [&](int64_t b, int v, uint8_t* at) {
@@ -471,7 +454,7 @@ static void amx_records(const Rounded& x, const AmxRows& a, const uint8_t* qs, c
       _mm512_store_si512(at + group * 128 + 64, high);
     }
   };
-  auto group = [&](int64_t b) {
+  auto finisher = [&](int64_t b) {
     vfloat d[VPT], m[VPT];
     UNROLL for (int v = 0; v < VPT; ++v) group_scales(scales, tile_s, v, derived_m, b, d[v], m[v]);
     return [&x, d, m, b, K](const vint(&sum)[1][VPT], int64_t row, float(&out)[1][VPT * LANES]) {
@@ -479,13 +462,13 @@ static void amx_records(const Rounded& x, const AmxRows& a, const uint8_t* qs, c
       add_block_sums<VPT, 1>(sum, x, block, out, b, row, K / BLOCK);
     };
   };
-  amx_rows(a, unpack, group, y, n0, M, K, N);
+  amx_rows(x, unpack, finisher, y, n0, M, K, N);
 }
 
 // amx_rows for a tile of Q8_0 blocks (pack_q8's pairs, fp16 d), finished as q8a16_block
 // finishes them (add_scaled_sums). A row of B is two pairs of weights (k, k + 1, then k + 2,
 // k + 3) interleaved output by output.
-static void amx_q8(const Rounded& x, const AmxRows& a, const int8_t* qs, const uint16_t* ds,
+static void amx_q8(const Rounded& x, const int8_t* qs, const uint16_t* ds,
                    float* y, int64_t n0, int64_t M, int64_t K, int64_t N) {
   const int64_t tile_qs = K * TILE, tile_d = K / BLOCK * TILE;
   alignas(64) static constexpr int16_t interleave[32] = {
@@ -502,7 +485,7 @@ static void amx_q8(const Rounded& x, const AmxRows& a, const int8_t* qs, const u
       _mm512_store_si512(at + r * 64, _mm512_permutex2var_epi16(pairs(k), words, pairs(k + 2)));
     }
   };
-  auto group = [&](int64_t b) {
+  auto finisher = [&](int64_t b) {
     vfloat d[VPT];
     UNROLL for (int v = 0; v < VPT; ++v) d[v] = from_half(ds + vec_offset(v, tile_d) + b * TILE);
     return [&x, d, b, K](const vint(&sum)[1][VPT], int64_t row, float(&out)[1][VPT * LANES]) {
@@ -510,7 +493,7 @@ static void amx_q8(const Rounded& x, const AmxRows& a, const int8_t* qs, const u
       add_scaled_sums<VPT, 1>(sum, x, scale, out, b, row, K / BLOCK);
     };
   };
-  amx_rows(a, unpack, group, y, n0, M, K, N);
+  amx_rows(x, unpack, finisher, y, n0, M, K, N);
 }
 #endif
 
@@ -542,12 +525,9 @@ static void rounded_gemm(const float* x, const uint8_t* qs, const S* scales, flo
 #else
   constexpr bool amx = false;
 #endif
-  const Rounded r = WORDS && M > 1 && !amx
-                        ? quantize_rows<32767, true>(x, M, K)
-                        : quantize_rows<INT16 ? 32767 : 127, false, Q6>(x, M, K);
-#ifdef MASHBOX_AMX
-  const AmxRows a = amx ? amx_layout(r, M, K) : AmxRows{};
-#endif
+  const Rounded r = amx ? quantize_rows<32767, false, false, true>(x, M, K)
+                    : WORDS && M > 1 ? quantize_rows<32767, true>(x, M, K)
+                                     : quantize_rows<INT16 ? 32767 : 127, false, Q6>(x, M, K);
   auto tile = [&](auto v_count, auto rows, int64_t t, int v0, int64_t m) {
     constexpr int V = decltype(v_count)::value, MB = decltype(rows)::value;
     rounded_block<V, MB, RECORD, INT16>(r, qs + t * tile_qs, v0, scales + t * tile_s, derived_m,
@@ -575,8 +555,8 @@ static void rounded_gemm(const float* x, const uint8_t* qs, const S* scales, flo
 #ifdef MASHBOX_AMX
         if constexpr (WORDS)
           if (amx)
-            return amx_records<RECORD>(r, a, qs + t * tile_qs, scales + t * tile_s, derived_m,
-                                       y, t * TILE, M, K, N);
+            return amx_records<RECORD>(r, qs + t * tile_qs, scales + t * tile_s, derived_m, y,
+                                       t * TILE, M, K, N);
 #endif
         int64_t m = 0;
         if constexpr (WORDS) {
@@ -702,10 +682,9 @@ static void q8a16_gemm_of(const float* x, const int8_t* qs, const S* ds, float* 
   // of 16 ran at 0.74-0.85x the AVX-512 kernel's speed there: twice the tiles' work a weight.)
   if constexpr (std::is_same_v<S, uint16_t>)
     if (M > POOLED_ROWS && amx_enabled()) {
-      const Rounded r = quantize_rows<32767>(x, M, K);
-      const AmxRows a = amx_layout(r, M, K);
+      const Rounded r = quantize_rows<32767, false, false, true>(x, M, K);
       parallel_chunks(N / TILE, 2, [&](int64_t t) {
-        amx_q8(r, a, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, M, K, N);
+        amx_q8(r, qs + t * tile_qs, ds + t * tile_d, y, t * TILE, M, K, N);
       });
       return;
     }
