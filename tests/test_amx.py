@@ -77,39 +77,25 @@ def avx512_alone():
         kernel.set_amx(True)
 
 
-def weight_of(qtype, n: int, k: int, seed: int):
-    """A prefill chunk's matrix of random blocks, as the engine keeps it (int16 activations)."""
-    blocks = random_blocks(qtype, n, k, seed)
-    reference = dequantize(blocks.data.numpy().reshape(-1), qtype, (n, k))
-    if qtype == Q.Q8_0:
-        return Q8Weight(reference, [blocks], activations="int16")
-    return Int4Weight(reference, [blocks], activations="int16")
-
-
-def rows_of_every_size(k: int) -> torch.Tensor:
-    """256 rows whose blocks spread over 16 binary orders of magnitude (int16's full range)."""
-    g = torch.Generator().manual_seed(7)
-    return torch.randn(256, k, generator=g) * 2.0 ** torch.randint(-8, 8, (256, k), generator=g)
-
-
-def assert_amx_gives_avx512s_bits(matmul, x: torch.Tensor):
-    """matmul(x[:rows]) the same with AMX on and off at a prefill chunk's row counts (16 at a
-    time on the tiles, the last few padded with zero rows), and a row alone the same."""
-    for rows in (33, 47, 48, 100, 255, 256):
-        with_amx = matmul(x[:rows])
-        with avx512_alone():
-            assert cpu_kernels.load().amx() == "turned off"
-            without = matmul(x[:rows])
-        assert torch.equal(with_amx, without), rows
-    assert torch.equal(matmul(x[:1]), with_amx[:1])  # and a row alone, as a decode step has it
-
-
 @pytest.mark.skipif(not amx_on(), reason="AMX is not on here (test_amx_is_on_wherever...)")
 @pytest.mark.parametrize("qtype", list(BLOCKS))
 def test_amx_gives_the_avx512_kernels_bits_at_every_prefill_row_count(qtype):
-    """Every kind of block that a prefill chunk multiplies by on the tiles: Q4 and Q5 records,
-    Q8_0 pairs of int8. (Q6_K's groups of 16 stay on AVX-512.)"""
+    """Every kind of block that a prefill chunk multiplies by on the tiles (Q4 and Q5 records,
+    Q8_0's pairs of int8; Q6_K's groups of 16 stay on AVX-512) at rows 33-256 (16 at a time,
+    the last few padded with zero rows), with the int16 activations' full range (x spread
+    over many magnitudes per block)."""
     k = 512
-    weight = weight_of(qtype, 64, k, seed=int(qtype))
+    blocks = random_blocks(qtype, 64, k, seed=int(qtype))
+    reference = dequantize(blocks.data.numpy().reshape(-1), qtype, (64, k))
+    kind = Q8Weight if qtype == Q.Q8_0 else Int4Weight
+    weight = kind(reference, [blocks], activations="int16")
     assert weight.kernel is cpu_kernels.load() and weight.max_rows == 256
-    assert_amx_gives_avx512s_bits(weight, rows_of_every_size(k))
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(256, k, generator=g) * 2.0 ** torch.randint(-8, 8, (256, k), generator=g)
+    for rows in (33, 47, 48, 100, 255, 256):
+        with_amx = weight(x[:rows])
+        with avx512_alone():
+            assert cpu_kernels.load().amx() == "turned off"
+            without = weight(x[:rows])
+        assert torch.equal(with_amx, without), rows
+    assert torch.equal(weight(x[:1]), with_amx[:1])  # and a row alone, as a decode step has it
