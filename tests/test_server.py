@@ -334,7 +334,10 @@ async def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(server):
 async def test_concurrent_streams_all_progress(server):
     """A late request's first token does not wait for the running ones to finish, and the
     running one goes on meanwhile. The first stream is long (cancelled once the late one is
-    done) so that a fast engine cannot finish it before the late one is even admitted."""
+    done) so that a fast engine cannot finish it before the late one is even admitted; the
+    late one runs several decode bursts (up to 8 runs each), so that the first one's events
+    from them are read before it ends (with 8 tokens, one burst ended it, and the first
+    stream's event from that burst could still be unread when the test cancelled it)."""
     long = chat_body(
         "Tell a long story.",
         max_tokens=900,
@@ -358,7 +361,7 @@ async def test_concurrent_streams_all_progress(server):
         nursery.start_soon(stream, "first", long)
         while not any(name == "first" for name, _ in events):
             await trio.sleep(0.01)
-        await stream("late", {**long, "max_tokens": 8, "seed": 4})
+        await stream("late", {**long, "max_tokens": 64, "seed": 4})
         nursery.cancel_scope.cancel()
     late_first = min(t for name, t in events if name == "late")
     assert "first finished" not in [name for name, _ in events]  # still running at the end
