@@ -20,6 +20,7 @@ high and low bytes). On 2 cores nothing else should run meanwhile.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from types import SimpleNamespace
 
@@ -167,7 +168,7 @@ def _seconds(fn) -> float:
 def layer_weights(engine: Engine) -> int:
     """Weights of the layer matrices one token multiplies (q/k/v, o, gate/up, down)."""
     return sum(
-        layer[name].w.numel() if hasattr(layer[name], "w") else layer[name].numel()
+        math.prod(layer[name].shape)
         for layer in engine.model.layers
         for name in ("wqkv", "wo", "w_gate_up", "w_down")
     )

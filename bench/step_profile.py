@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import statistics
 import time
@@ -84,7 +85,7 @@ def breakdown(engine: Engine, batch: int, position: int) -> None:
         for layer in model.layers:
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
                 w = layer[name]  # an int8 or int4 decode weight: its kernel, as in the stack
-                w(inputs.setdefault(w.w.shape[1], torch.randn(batch, w.w.shape[1])))
+                w(inputs.setdefault(w.shape[1], torch.randn(batch, w.shape[1])))
 
     hidden = model.decode(engine.cache, slots, ids, positions)
     logits = model.logits(hidden)
@@ -96,7 +97,7 @@ def breakdown(engine: Engine, batch: int, position: int) -> None:
     }
     mats = [layer[name] for layer in model.layers for name in ("wqkv", "wo", "w_gate_up", "w_down")]
     read = sum(nbytes(w) for w in mats)
-    flops = 2 * batch * sum(w.w.numel() for w in mats)
+    flops = 2 * batch * sum(math.prod(w.shape) for w in mats)
     print(
         f"  batch {batch}: DecodeStack {parts['stack']:.2f} ms; its {len(mats)} matmuls called "
         f"one by one {parts['matmuls']:.2f} ms ({read / parts['matmuls'] / 1e6:.1f} GB/s, "

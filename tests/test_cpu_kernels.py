@@ -208,12 +208,12 @@ def test_pack_q4_round_trips_and_int4a8_weights_hold_the_files_weights():
     from gguf import GGMLQuantizationType as Q
 
     w = q.float() * d.float().repeat_interleave(32, 1) + m.float().repeat_interleave(32, 1)
-    weight = Int4Weight(w, [RawBlocks(Q.Q4_1, raw)], activations="int8")
+    weight = Int4Weight([RawBlocks(Q.Q4_1, raw)], activations="int8")
     assert weight.activations == "int8" and weight.qs.shape == (3, 16, 128)
     assert torch.equal(weight.dequantized(), w)
     x = torch.randn(3, 128)
     assert torch.equal(weight(x), kernel.q4a8_linear(x, weight.qs, weight.dm))
-    weight = Int4Weight(w, [RawBlocks(Q.Q4_1, raw)], activations="int16")
+    weight = Int4Weight([RawBlocks(Q.Q4_1, raw)], activations="int16")
     assert torch.equal(weight.dequantized(), w)
     assert torch.equal(weight(x), kernel.q4a16_linear(x, weight.qs, weight.dm))
 
@@ -232,7 +232,7 @@ def test_q4_0_weights_keep_d_alone_and_read_the_files_weights(activations):
     raw = torch.cat([d.view(torch.uint8).view(96, 4, 2), nib[..., :16] | (nib[..., 16:] << 4)],
                     dim=-1)  # fmt: skip
     w = (q.float() - 8) * d.float().repeat_interleave(32, 1)
-    weight = Int4Weight(w, [RawBlocks(Q.Q4_0, raw)], activations=activations)
+    weight = Int4Weight([RawBlocks(Q.Q4_0, raw)], activations=activations)
     assert weight.dm.shape == (3, 4, 1, 32)
     assert torch.equal(weight.dequantized(), w)
     x = torch.randn(17, 128, generator=torch.Generator().manual_seed(6))

@@ -18,6 +18,7 @@ from support.decode_steps import (
     STEPS,
     TEXT_PROMPTS,
     assert_one_call_is_two,
+    file_matrix,
     greedy_logits,
     prefill,
 )
@@ -81,10 +82,8 @@ def test_tiny_q4_blocks_load_exactly_in_float32_and_within_the_bf16_bound(tiny4)
     ]
     for ref, blocks in pairs:
         # float32 activations and scales: the kernel reproduces dequant.py's weights bit for bit.
-        assert torch.equal(
-            Int4Weight(ref, blocks, dtype=torch.float32, ours=False).dequantized(), ref
-        )
-        assert_bf16_bound(Int4Weight(ref, blocks, ours=False), ref, blocks)
+        assert torch.equal(Int4Weight(blocks, dtype=torch.float32, ours=False).dequantized(), ref)
+        assert_bf16_bound(Int4Weight(blocks, ours=False), ref, blocks)
 
 
 def test_int4_engine_uses_int4_where_blocks_allow_and_int8_elsewhere(tmp_path):
@@ -107,7 +106,7 @@ def test_int4_engine_uses_int4_where_blocks_allow_and_int8_elsewhere(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["int4", "int4a16", "int4a8"])
-def test_int4_decode_is_close_and_prefill_stays_float(tiny4, kind):
+def test_int4_decode_is_close_and_calls_past_max_rows_keep_their_bits(tiny4, kind):
     float_engine = Engine(tiny4, slots=1, ctx=64)
     engine = Engine(tiny4, slots=1, ctx=64, decode_weights=kind)
     assert isinstance(engine.model.lm_head, Int4Weight)
@@ -120,8 +119,13 @@ def test_int4_decode_is_close_and_prefill_stays_float(tiny4, kind):
     approx = engine.model.decode(engine.cache, [0], ids[-1:], torch.tensor([7]))
     assert (approx - exact).norm() / exact.norm() < 0.02  # bf16 activations and scales
     w = engine.model.layers[0]["w_gate_up"]
-    big = torch.randn(w.max_rows + 1, w.w.shape[1])
-    assert torch.equal(w(big), F.linear(big, w.w))  # prefill-sized batches: the float path
+    big = torch.randn(w.max_rows + 3, w.shape[1])
+    if w.activations == "float":  # past max_rows sgemm, on the file's float32 weights
+        assert torch.equal(w.w, file_matrix(tiny4, 0, "w_gate_up"))
+        assert torch.equal(w(big), F.linear(big, w.w))
+    else:  # no float copy: the blocks in pieces, every row the bits it has alone
+        assert w.w is None
+        assert torch.equal(w(big), torch.cat([w(row[None]) for row in big]))
 
 
 @pytest.mark.slow
@@ -138,9 +142,9 @@ def test_real_q4_1_blocks_load_exactly(real):
     for ref, blocks in matrices(loaded, 1):
         if ref.numel() <= 960 * 576:  # the float32 kernel is slow: wqkv and wo are enough
             assert torch.equal(
-                Int4Weight(ref, blocks, dtype=torch.float32, ours=False).dequantized(), ref
+                Int4Weight(blocks, dtype=torch.float32, ours=False).dequantized(), ref
             )
-        assert_bf16_bound(Int4Weight(ref, blocks, ours=False), ref, blocks)
+        assert_bf16_bound(Int4Weight(blocks, ours=False), ref, blocks)
 
 
 def test_real_head_in_the_stacks_call_gives_the_same_bits(real):

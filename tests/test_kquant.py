@@ -20,7 +20,7 @@ from mashbox.engine.int4 import BLOCK_KINDS, Int4Weight, k_scales, q4_k_scales, 
 from mashbox.engine.int8_weight import Int8Weight
 from mashbox.engine.weights import RawBlocks
 from mashbox.tiny import random_weights
-from support.decode_steps import decode, prefill
+from support.decode_steps import decode, file_matrix, prefill
 from support.tinymodels import no_tokenizer, write_gguf
 
 LACKS = kernel_build.machine_lacks()  # anywhere else, no kernels fails the tests below
@@ -111,7 +111,7 @@ def test_q4_k_weights_read_exactly_and_each_row_alone_as_in_any_batch(activation
     the blocks give way to the float path, each row has the bits it has alone."""
     raw = random_q4_k(64, 512, seed=3)
     ref = reference(raw)
-    weight = Int4Weight(ref, [blocks_of(raw)], activations=activations)
+    weight = Int4Weight([blocks_of(raw)], activations=activations)
     assert weight.kernel is cpu_kernels.load() and weight.activations == activations
     # float32 d and m for float32 activations, else the scales as stored
     assert weight.dm.dtype == (torch.float32 if activations == "float" else torch.uint8)
@@ -140,8 +140,8 @@ def test_float32_scales_give_the_q4_1_kernels_bits_at_every_row_count(activation
     the fp16 ones (tests/test_cpu_kernels.py) give, rows 1 to the float path's threshold."""
     raw = random_q4_k(96, 768, seed=4, exact_in_fp16=True)
     ref = reference(raw)
-    k_weight = Int4Weight(ref, [blocks_of(raw)], activations=activations)
-    q4_1 = Int4Weight(ref, [as_q4_1(raw)], activations=activations)
+    k_weight = Int4Weight([blocks_of(raw)], activations=activations)
+    q4_1 = Int4Weight([as_q4_1(raw)], activations=activations)
     assert q4_1.dm.dtype == torch.float16 and torch.equal(q4_1.dequantized(), ref)
     x = rows_up_to_the_float_path(k_weight, 768)
     for rows in range(1, k_weight.max_rows + 1):
@@ -156,13 +156,12 @@ def test_k_scales_as_stored_give_the_float32_scales_bits(qtype, activations):
     form the same exact d * sc and -dmin * mn, so the same bits at every row count."""
     raw = random_q4_k(96, 768, seed=9) if qtype == Q.Q4_K else random_k5(96, 768, seed=9)
     blocks = RawBlocks(qtype, torch.from_numpy(raw))
-    weight = Int4Weight(dequantize(raw.reshape(-1), qtype, (96, 768)), [blocks],
-                        activations=activations)  # fmt: skip
+    weight = Int4Weight([blocks], activations=activations)
     assert weight.dm.dtype == torch.uint8 and weight.dm.nbytes == 96 * 768 // 256 * 20
     sc, mn, d, dmin = k_scales(blocks.data)
     assert all(map(torch.equal, cpu_kernels.unpack_k_scales(weight.dm), (sc, mn, d, dmin)))
     float32 = cpu_kernels.pack_scales(*unpack(blocks)[1:])
-    assert torch.equal(weight.dequantized(), weight.w)
+    assert torch.equal(weight.dequantized(), dequantize(raw.reshape(-1), qtype, (96, 768)))
     matmul = getattr(weight.kernel, "q4a16_linear" if activations == "int16" else "q4a8_linear")
     x = torch.randn(weight.max_rows, 768, generator=torch.Generator().manual_seed(10))
     for rows in [*range(1, 34), 64, weight.max_rows]:
@@ -186,30 +185,28 @@ def test_decode_weights_take_q4_k_alone_or_merged_with_q4_0():
     q = torch.randint(0, 16, (32, 256), dtype=torch.uint8, generator=g).view(32, 8, 32)
     q4_0 = torch.cat([d.view(torch.uint8).view(32, 8, 2), q[..., :16] | (q[..., 16:] << 4)], -1)
     w0 = ((q.float() - 8) * d.float()[..., None]).view(32, 256)
-    merged = decode_weight_for(
-        torch.cat([ref, w0]), [blocks_of(raw), RawBlocks(Q.Q4_0, q4_0)], "int4a16"
-    )
+    merged = decode_weight_for([blocks_of(raw), RawBlocks(Q.Q4_0, q4_0)], "int4a16", None)
     assert isinstance(merged, Int4Weight) and merged.dm.dtype == torch.float32
     assert torch.equal(merged.dequantized(), torch.cat([ref, w0]))
     # A part without 4-bit blocks (Q6_K, Q8_0 on other kernels) leaves the matrix int8.
     q6 = RawBlocks(Q.Q6_K, torch.zeros(32, 1, 210, dtype=torch.uint8))
-    assert isinstance(
-        decode_weight_for(torch.cat([ref, w0]), [blocks_of(raw), q6], "int4"), Int8Weight
-    )
+    weight = decode_weight_for([blocks_of(raw), q6], "int4", lambda: torch.cat([ref, w0]))
+    assert isinstance(weight, Int8Weight)
 
 
 def test_without_mashbox_kernels_q4_k_stays_int8(monkeypatch):
     """torch's int4 kernel takes bf16 scales: d * sc would be rounded, so not Q4_K there."""
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     raw = random_q4_k(64, 256, seed=8)
-    assert isinstance(decode_weight_for(reference(raw), [blocks_of(raw)], "int4"), Int8Weight)
+    weight = decode_weight_for([blocks_of(raw)], "int4", lambda: reference(raw))
+    assert isinstance(weight, Int8Weight)
 
 
 # ---- A whole model of Q4_K matrices, decoding through DecodeStack ---------------------------
 
 
-@pytest.fixture(scope="module", params=["int4", "int4a16", "int4a8"])
-def engine(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
     """A 2-layer Llama, d_model 256 and d_ff 512 (Q4_K's rows are 256 weights), every layer
     matrix Q4_K, the head Q8_0."""
     w = random_weights(vocab=97, d_model=256, d_ff=512, seed=7)
@@ -227,25 +224,29 @@ def engine(request, tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf.quants, "quantize", quantize)
-        path = write_gguf(
+        return write_gguf(
             tmp_path_factory.mktemp("q4k") / "m.gguf", w, no_tokenizer, qtype_of=qtype_of
         )
+
+
+@pytest.fixture(scope="module", params=["int4", "int4a16", "int4a8"])
+def engine(request, model_file):
     # A float32 KV cache: the kernels' weights compared alone (a float16 cache's own
     # rounding: test_decode_stack.py).
-    engine = Engine(path, slots=4, ctx=64, decode_weights=request.param, kv_dtype="float32")
+    engine = Engine(model_file, slots=4, ctx=64, decode_weights=request.param, kv_dtype="float32")
     assert engine.model.decode_stack is not None and engine.model.decode_kind == request.param
     prefill(engine)
     return engine
 
 
-def test_every_layer_matrix_reads_the_files_q4_k_weights(engine):
-    for layer in engine.model.layers:
+def test_every_layer_matrix_reads_the_files_q4_k_weights(engine, model_file):
+    for i, layer in enumerate(engine.model.layers):
         for name in ("wqkv", "wo", "w_gate_up", "w_down"):
             weight = layer[name]
             assert isinstance(weight, Int4Weight), name
             scales = torch.float32 if engine.model.decode_kind == "int4" else torch.uint8
             assert weight.dm.dtype == scales, name
-            assert torch.equal(weight.dequantized(), weight.w), name
+            assert torch.equal(weight.dequantized(), file_matrix(model_file, i, name)), name
 
 
 def test_decode_stack_computes_what_the_torch_ops_compute(engine):
@@ -289,6 +290,6 @@ def test_real_q4_k_blocks_load_exactly(qwen):
         w = (q.float().view(*d.shape, 32) * d[..., None] + m[..., None]).view(ref.shape)
         assert torch.equal(w, ref), t.name
     # The kernel itself on one: the first 64 columns read back through x = identity.
-    weight = Int4Weight(ref, [blocks_of(raw)])
+    weight = Int4Weight([blocks_of(raw)])
     eye = torch.eye(ref.shape[1])[:64]
     assert torch.equal(weight.kernel.q4_linear(eye, weight.qs, weight.dm).T, ref[:, :64])

@@ -6,10 +6,19 @@ from __future__ import annotations
 
 import torch
 
+from mashbox.engine import weights
+from mashbox.engine.model import DECODE_MATRICES
 from mashbox.engine.sampling import DecodeLogits
 
 PROMPTS = {0: [5, 17, 3, 88, 42, 7, 19], 2: [9, 8, 7], 3: list(range(20, 60))}
 FED = [11, 23, 5, 70, 2]  # tokens fed to every slot, one a step
+
+
+def file_matrix(path, layer: int, name: str) -> torch.Tensor:
+    """A model file's float32 weights of layer `layer`'s decode matrix `name` (its parts
+    merged, as Model merges them): what a decode weight must read back."""
+    tensors = weights.load(path).tensors
+    return torch.cat([tensors[f"blk.{layer}.{part}"] for part in DECODE_MATRICES[name]])
 
 
 def prefill(engine, prompts: dict = PROMPTS) -> None:

@@ -415,9 +415,11 @@ def bit_plane(bits: torch.Tensor) -> torch.Tensor:
     ones -> uint8 [N / 32, K / 8, 32]."""
     n, k = bits.shape
     halves = bits.view(n // TILE, TILE, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [.., 2, 32, 4]
-    weights = 1 << torch.arange(8, dtype=torch.int32)
-    packed = (halves.reshape(n // TILE, k // 8, 32, 8).to(torch.int32) * weights).sum(-1)
-    return packed.to(torch.uint8)
+    eights = halves.reshape(n // TILE, k // 8, 32, 8)
+    packed = eights[..., 0].clone()
+    for bit in range(1, 8):  # in uint8 throughout: a big matrix's load peaks at its bytes
+        packed |= eights[..., bit] << bit
+    return packed
 
 
 def pack_q5(

@@ -6,7 +6,7 @@ take a matrix either as a float tensor or as a decode weight.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol, runtime_checkable
 
 import torch.nn.functional as F
@@ -21,10 +21,11 @@ from .weights import RawBlocks
 
 @runtime_checkable
 class DecodeWeight(Protocol):
-    """A matrix kept twice: float for prefill-sized batches, and a compact form for decode
-    steps, where reading the weights is the whole cost."""
+    """A matrix in a compact form for decode steps, where reading the weights is the whole
+    cost, and prefill chunks (compact_weight.py)."""
 
-    w: Tensor  # the float weights [N, K]: what calls of more than `max_rows` rows multiply
+    shape: tuple[int, int]  # [N, K]
+    w: Tensor | None  # the float weights [N, K], kept where calls past `max_rows` take them
     kernel: object | None  # mashbox's CPU kernels where this weight runs on them, else None
     max_rows: int  # rows up to which a call reads the compact form
     kind: str  # "int8", "q8_0", "q6_k", "int4", "int4a16" or "int4a8": what Engine reports
@@ -40,18 +41,21 @@ class DecodeWeight(Protocol):
         ...
 
 
-def decode_weight_for(w: Tensor, blocks: list[RawBlocks | None], kind: str) -> DecodeWeight:
+def decode_weight_for(
+    blocks: list[RawBlocks | None], kind: str, float_matrix: Callable[[], Tensor]
+) -> DecodeWeight:
     """int4: the file's own 4-bit (or, on mashbox's kernels, Q8_0) blocks where every part
     has them, int8 otherwise; int4a16 / int4a8: the same, the 4-bit blocks taking int16 /
-    int8 activations and the Q6_K and Q8 blocks int16 ones."""
+    int8 activations and the Q6_K and Q8 blocks int16 ones. `float_matrix()` makes the float
+    matrix, called only where the int8 form is chosen (it is quantized from it)."""
     activations = int4.BLOCK_KINDS.get(kind)
     if activations and int4.fits(blocks):
-        return int4.Int4Weight(w, blocks, activations=activations)
+        return int4.Int4Weight(blocks, activations=activations)
     if activations in ("int16", "int8") and fits_q6(blocks):
-        return Q6Weight(w, blocks)
+        return Q6Weight(blocks)
     if activations and fits_q8(blocks):
-        return Q8Weight(w, blocks, activations="float" if activations == "float" else "int16")
-    return Int8Weight(w)
+        return Q8Weight(blocks, activations="float" if activations == "float" else "int16")
+    return Int8Weight(float_matrix())
 
 
 # How compact each kind is, the smallest first (a model's 4-bit matrices share one kind).

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as Q
-from gguf import quants
 
 
 def _f16(block: torch.Tensor, start: int) -> torch.Tensor:
@@ -35,23 +35,22 @@ def fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:  # d, qh[4], 16 bytes of nibbles
     qs = b[:, 6:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=1).to(torch.int64) | fifth_bits(b[:, 2:6])
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=1) | fifth_bits(b[:, 2:6])
     return (q.float() - 16.0) * _f16(b, 0)
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:  # d, m, qh[4], 16 bytes of nibbles
     qs = b[:, 8:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=1).to(torch.int64) | fifth_bits(b[:, 4:8])
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=1) | fifth_bits(b[:, 4:8])
     return q.float() * _f16(b, 0) + _f16(b, 2)
 
 
-_TORCH = {
-    Q.Q8_0: (34, _q8_0),
-    Q.Q4_0: (18, _q4_0),
-    Q.Q4_1: (20, _q4_1),
-    Q.Q5_0: (22, _q5_0),
-    Q.Q5_1: (24, _q5_1),
-}
+_TORCH = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1}
+
+
+# Blocks dequantized at a time: a tensor's intermediates (several bytes a weight) stay ~10 MB,
+# so a load's peak is its float32 result, not several times it.
+CHUNK_BLOCKS = 1 << 16
 
 
 def dequantize(data: np.ndarray, qtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -65,10 +64,14 @@ def dequantize(data: np.ndarray, qtype, shape: tuple[int, ...]) -> torch.Tensor:
                 np.array(data).view(np.float32 if qtype == Q.F32 else np.float16)
             )
         return raw.float().reshape(shape)
-    if qtype in _TORCH:
-        block_bytes, fn = _TORCH[qtype]
-        blocks = torch.from_numpy(np.array(data, dtype=np.uint8)).reshape(-1, block_bytes)
-        return fn(blocks).reshape(shape)
-    return torch.from_numpy(np.array(quants.dequantize(data, qtype), dtype=np.float32)).reshape(
-        shape
-    )
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = np.asarray(data, dtype=np.uint8).reshape(-1, block_bytes)
+    out = torch.empty(blocks.shape[0], block)
+    for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
+        chunk = blocks[start : start + CHUNK_BLOCKS]
+        if qtype in _TORCH:
+            values = _TORCH[qtype](torch.from_numpy(chunk.copy()))
+        else:
+            values = torch.from_numpy(np.asarray(quants.dequantize(chunk, qtype), np.float32))
+        out[start : start + len(chunk)] = values.reshape(len(chunk), block)
+    return out.reshape(shape)

@@ -26,13 +26,13 @@ kernels read them:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from torch import Tensor
 
 from . import cpu_kernels
+from .compact_weight import CompactWeight
 from .dequant import fifth_bits
-from .weights import RawBlocks
+from .weights import RawBlocks, dequantized
 
 GROUP = 32  # the GGUF block: one kernel group
 Q5_QTYPES = (Q.Q5_0, Q.Q5_1, Q.Q5_K)  # five bits a weight: mashbox's kernels only
@@ -151,27 +151,23 @@ def unpack(blocks: RawBlocks) -> tuple[Tensor, Tensor, Tensor]:
     return q, d, m
 
 
-class Int4Weight:
-    """A weight kept twice: float for prefill-sized batches, and the file's 4-bit blocks for
-    decode, where reading the weights is the whole cost."""
+class Int4Weight(CompactWeight):
+    """A matrix's 4-bit (or 5-bit) blocks as the file stores them, read by decode steps, where
+    reading the weights is the whole cost, and by prefill chunks where the activations are
+    rounded to integers; the float matrix too where they are not (past `max_rows` rows)."""
 
     def __init__(
-        self, w: Tensor, blocks: list[RawBlocks], dtype=torch.bfloat16, ours=True,
-        activations="float",
-    ):  # fmt: skip
-        """`blocks`: the parts of w (e.g. q, k, v) in order. mashbox's kernel where it builds
-        and `ours`, taking `activations` float32, or rounded per block of 32 to "int16"
+        self, blocks: list[RawBlocks], dtype=torch.bfloat16, ours=True, activations="float"
+    ):
+        """`blocks`: the parts of the matrix (e.g. q, k, v) in order. mashbox's kernel where it
+        builds and `ours`, taking `activations` float32, or rounded per block of 32 to "int16"
         (q4a16) or "int8" (q4a8); else torch's, with activations and scales in `dtype` (bf16
         is its fast one; float32 is exact but takes a scalar path)."""
-        if w.device.type != "cpu":
-            raise ValueError("int4 decode weights run on the CPU only")
         parts = [unpack(b) for b in blocks]
         # fp16 d and m where every part has them; float32 (exactly the same values) with the
         # K-quants, or where fp16 overflowed (Q5_0's -16 d)
         q, d, m = (torch.cat(p) for p in zip(*parts, strict=True))
-        if q.shape != w.shape:
-            raise ValueError(f"blocks of shape {tuple(q.shape)} for a weight {tuple(w.shape)}")
-        self.w = w
+        self.shape = tuple(q.shape)
         self.dtype = dtype
         self.kernel = cpu_kernels.load() if ours and q.shape[0] % cpu_kernels.TILE == 0 else None
         self.activations = activations if self.kernel is not None else "float"
@@ -191,6 +187,8 @@ class Int4Weight:
             # [K / 32, N, 2]: the kernel's layout; w = (q - 8) * d + (m + 8 d).
             zero = m.float() + 8 * d.float()
             self.scales_and_zeros = torch.stack([d.T, zero.T], dim=-1).to(dtype).contiguous()
+        if self.activations == "float":  # past 48 rows (16 on torch's kernel) sgemm wins
+            self.w = dequantized(blocks)
 
     @property
     def kind(self) -> str:
@@ -207,17 +205,13 @@ class Int4Weight:
         """Rows up to which a call uses the int4 weights; more take the float path."""
         return Q4_MAX_ROWS[self.activations] if self.kernel is not None else INT4_MAX_ROWS
 
-    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        if x.shape[0] > self.max_rows:
-            return F.linear(x, self.w, bias)
+    def multiply(self, x: Tensor) -> Tensor:
         if self.kernel is not None:
             matmul = getattr(self.kernel, KERNELS[self.activations])
-            y = matmul(x.float().contiguous(), self.qs, self.dm).to(x.dtype)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(self.dtype), self.packed, GROUP, self.scales_and_zeros
-            ).to(x.dtype)
-        return y + bias if bias is not None else y
+            return matmul(x.float().contiguous(), self.qs, self.dm)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(self.dtype), self.packed, GROUP, self.scales_and_zeros
+        )
 
     @property
     def decode_tensors(self) -> tuple[Tensor, ...]:
@@ -228,7 +222,7 @@ class Int4Weight:
     def dequantized(self) -> Tensor:
         """The weights the kernel multiplies by, [N, K] (x = identity): float32 from ours,
         self.dtype from torch's."""
-        k = self.w.shape[1]
+        k = self.shape[1]
         if self.kernel is not None:  # read by float32 x = identity, the scales as float32
             dm = self.dm
             if dm.dtype == torch.uint8:  # the K-quants' as stored, back to their d and m

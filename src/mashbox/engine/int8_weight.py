@@ -5,10 +5,10 @@ those an int4 engine finds no 4-bit or Q8_0 blocks for."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import cpu_kernels
+from .compact_weight import CompactWeight
 
 INT8_MAX_ROWS = 16  # up to this many rows (decode batches) use the int8 weights
 
@@ -19,7 +19,7 @@ def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
     return torch.round(w.float() / scale[:, None]).to(torch.int8), scale.contiguous()
 
 
-class Int8Weight:
+class Int8Weight(CompactWeight):
     """A weight kept twice: float for prefill-sized batches, int8 per output channel for
     decode, where reading the weights is the whole cost (4x fewer bytes)."""
 
@@ -28,7 +28,7 @@ class Int8Weight:
     activation_bits = 32  # activations are never rounded to integers
 
     def __init__(self, w: Tensor):
-        self.w = w
+        self.w, self.shape = w, tuple(w.shape)
         q, self.scale = quantize_int8(w)
         self.kernel = cpu_kernels.load() if w.device.type == "cpu" else None
         if self.kernel is not None:  # ours: the packed layout only
@@ -37,15 +37,11 @@ class Int8Weight:
             self.q = q.contiguous()
             self.scale_bf16 = self.scale.to(torch.bfloat16)
 
-    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        if x.shape[0] > self.max_rows:
-            return F.linear(x, self.w, bias)
+    def multiply(self, x: Tensor) -> Tensor:
         if self.kernel is not None:  # ours: float32 activations, weights read once
-            y = self.kernel.int8_linear(x.float().contiguous(), self.packed, self.scale)
-        else:  # torch's wants bf16 activations (float32 ones take a scalar path)
-            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale_bf16)
-        y = y.to(x.dtype)
-        return y + bias if bias is not None else y
+            return self.kernel.int8_linear(x.float().contiguous(), self.packed, self.scale)
+        # torch's wants bf16 activations (float32 ones take a scalar path)
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale_bf16)
 
     @property
     def decode_tensors(self) -> tuple[Tensor, ...]:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import cpu_kernels
+from . import cpu_kernels, int4
 from .config import ModelConfig
 from .decode_weight import DecodeWeight, decode_weight_for, linear, most_compact_kind, nbytes
 from .int8_weight import INT8_MAX_ROWS
@@ -188,8 +188,31 @@ class Model:
         def maybe(name: str) -> Tensor | None:
             return t(name) if name in tensors else None
 
+        if decode_weights in int4.BLOCK_KINDS and self.device.type != "cpu":
+            raise ValueError(f"{decode_weights} decode weights run on the CPU only")
+        blocks = blocks or {}
+
+        def matrix(i: int, name: str) -> Tensor | DecodeWeight:
+            """Layer i's decode matrix `name`: its parts' blocks as a decode weight, or one
+            float tensor (one matmul for q, k and v), made only where it is multiplied."""
+            parts = [f"blk.{i}.{part}" for part in DECODE_MATRICES[name]]
+
+            def floats() -> Tensor:
+                return torch.cat([t(part) for part in parts])
+
+            if decode_weights == "float":
+                return floats()
+            return decode_weight_for([blocks.get(p) for p in parts], decode_weights, floats)
+
         self.embed = t("token_embd.weight")
-        self.lm_head = self.embed if cfg.tied_embeddings else t("output.weight")
+        head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+        self.lm_head = self.embed if cfg.tied_embeddings else t(head)
+        if decode_weights != "float":
+            self.lm_head = decode_weight_for(
+                [blocks.get(head)],
+                decode_weights,
+                lambda: self.embed if cfg.tied_embeddings else t(head),
+            )
         self.final_norm = t("output_norm.weight")
         self.layers = []
         for i in range(cfg.n_layers):
@@ -197,10 +220,7 @@ class Model:
             self.layers.append(
                 {
                     "attn_norm": t(p + "attn_norm.weight"),
-                    # q, k and v as one matrix: one matmul instead of three.
-                    "wqkv": torch.cat(
-                        [t(p + "attn_q.weight"), t(p + "attn_k.weight"), t(p + "attn_v.weight")]
-                    ),
+                    "wqkv": matrix(i, "wqkv"),
                     "bqkv": (
                         torch.cat(
                             [t(p + "attn_q.bias"), t(p + "attn_k.bias"), t(p + "attn_v.bias")]
@@ -210,21 +230,13 @@ class Model:
                     ),
                     "q_norm": maybe(p + "attn_q_norm.weight"),
                     "k_norm": maybe(p + "attn_k_norm.weight"),
-                    "wo": t(p + "attn_output.weight"),
+                    "wo": matrix(i, "wo"),
                     "ffn_norm": t(p + "ffn_norm.weight"),
-                    "w_gate_up": torch.cat([t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")]),
-                    "w_down": t(p + "ffn_down.weight"),
+                    "w_gate_up": matrix(i, "w_gate_up"),
+                    "w_down": matrix(i, "w_down"),
                 }
             )
         self.cos, self.sin = rope_tables(cfg, max(n_positions, cfg.max_context), self.device)
-        if decode_weights != "float":
-            blocks = blocks or {}
-            for i, layer in enumerate(self.layers):
-                for name, parts in DECODE_MATRICES.items():
-                    parts_blocks = [blocks.get(f"blk.{i}.{part}") for part in parts]
-                    layer[name] = decode_weight_for(layer[name], parts_blocks, decode_weights)
-            head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-            self.lm_head = decode_weight_for(self.lm_head, [blocks.get(head)], decode_weights)
         self.decode_stack = self._decode_stack()
         # Up to how many rows `decode_logits` runs the head inside the stack's own call.
         head = self._kernel_head() if self.decode_stack is not None else None

@@ -4,16 +4,17 @@ d * sc per 16 read 1.25 (qwen2.5-coder-0.5b's Q6_K ffn_down: 65 MB a step that a
 The activations are rounded to int16 per block of 32, and the kernel (rounded_gemm.cpp,
 q6a16) gives the same bits as Q8Weight's over the same matrix. Prefill chunks take Q8Weight's
 form (kept too): unpacking six bits costs more than reading them once the rows are many.
+Calls of more rows than a chunk take them in pieces (compact_weight.py): no float matrix.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from torch import Tensor
 
 from . import cpu_kernels
+from .compact_weight import CompactWeight
 from .int4 import Q4_MAX_ROWS
 from .weights import RawBlocks
 
@@ -48,10 +49,10 @@ def q6_k_as_int8(q: Tensor, sc: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
     return q.to(torch.int8) - 32, d.float().repeat_interleave(16, 1) * sc.float()
 
 
-class Q6Weight:
-    """A weight kept three times: float for calls of more rows than a prefill chunk, int8 q - 32
-    in groups of 16 (pack_q8, as Q8Weight) for prefill chunks, and the file's Q6_K blocks
-    (pack_q6) for decode steps (up to `DECODE_ROWS` rows): the same bits from all but float."""
+class Q6Weight(CompactWeight):
+    """A matrix kept twice: int8 q - 32 in groups of 16 (pack_q8, as Q8Weight) for prefill
+    chunks, and the file's Q6_K blocks (pack_q6) for decode steps (up to `DECODE_ROWS` rows):
+    the same bits from both."""
 
     kind = "q6_k"
     activation_bits = 16
@@ -62,25 +63,18 @@ class Q6Weight:
     # rows (DecodeStack) always take them.
     DECODE_ROWS = 4
 
-    def __init__(self, w: Tensor, blocks: list[RawBlocks]):
+    def __init__(self, blocks: list[RawBlocks]):
         q, sc, d = (torch.cat(p) for p in zip(*(unpack_q6_k(b.data) for b in blocks), strict=True))
-        if q.shape != w.shape:
-            raise ValueError(f"blocks of shape {tuple(q.shape)} for a weight {tuple(w.shape)}")
-        self.w = w
+        self.shape = tuple(q.shape)
         self.kernel = cpu_kernels.load()
         self.qs, self.scales = cpu_kernels.pack_q6(q, sc, d)
         self.qs8, self.d8 = cpu_kernels.pack_q8(*q6_k_as_int8(q, sc, d))  # the blocks unpacked once
 
-    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        rows, x32 = x.shape[0], x.float().contiguous()
-        if rows > self.max_rows:
-            return F.linear(x, self.w, bias)
-        if rows > self.DECODE_ROWS:
-            y = self.kernel.q8a16_linear(x32, self.qs8, self.d8)
-        else:
-            y = self.kernel.q6a16_linear(x32, self.qs, self.scales)
-        y = y.to(x.dtype)
-        return y + bias if bias is not None else y
+    def multiply(self, x: Tensor) -> Tensor:
+        x32 = x.float().contiguous()
+        if x.shape[0] > self.DECODE_ROWS:
+            return self.kernel.q8a16_linear(x32, self.qs8, self.d8)
+        return self.kernel.q6a16_linear(x32, self.qs, self.scales)
 
     @property
     def decode_tensors(self) -> tuple[Tensor, ...]:

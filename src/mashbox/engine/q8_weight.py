@@ -14,14 +14,14 @@ throughout):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from torch import Tensor
 
 from . import cpu_kernels
+from .compact_weight import CompactWeight
 from .int4 import BLOCKS_MAX_ROWS, Q4_MAX_ROWS, unpack
 from .q6_weight import q6_k_as_int8, unpack_q6_k
-from .weights import RawBlocks
+from .weights import RawBlocks, dequantized
 
 Q8_QTYPES = (Q.Q8_0, Q.Q6_K, Q.Q5_0, Q.Q4_0)  # whose weights are int8 values times a scale
 
@@ -49,13 +49,14 @@ def int8_blocks(blocks: RawBlocks) -> tuple[Tensor, Tensor]:
     return (q.to(torch.int16) - offset).to(torch.int8), d
 
 
-class Q8Weight:
-    """A weight kept twice: float for prefill-sized batches, and int8 values times a scale per
-    block of 32 (fp16) or 16 (float32, where a part is Q6_K), as the file stores them."""
+class Q8Weight(CompactWeight):
+    """A matrix's int8 values times a scale per block of 32 (fp16) or 16 (float32, where a part
+    is Q6_K), as the file stores them; the float matrix too where the activations are float
+    (past `max_rows` rows)."""
 
     kind = "q8_0"
 
-    def __init__(self, w: Tensor, blocks: list[RawBlocks], activations: str = "float"):
+    def __init__(self, blocks: list[RawBlocks], activations: str = "float"):
         """`activations`: float32, or "int16": rounded per block of 32 for exact integer
         dot products (int4a16 and int4a8 decode weights: near float32, 1.4-1.6x the speed)."""
         parts = [int8_blocks(b) for b in blocks]
@@ -63,9 +64,7 @@ class Q8Weight:
             parts = [(q, d.float().repeat_interleave(q.shape[1] // d.shape[1] // 16, 1))
                      for q, d in parts]  # fmt: skip
         q, d = (torch.cat(p) for p in zip(*parts, strict=True))
-        if q.shape != w.shape:
-            raise ValueError(f"blocks of shape {tuple(q.shape)} for a weight {tuple(w.shape)}")
-        self.w = w
+        self.shape = tuple(q.shape)
         self.kernel = cpu_kernels.load()
         self.qs, self.d = cpu_kernels.pack_q8(q, d)
         self.activations = activations
@@ -74,13 +73,12 @@ class Q8Weight:
         # chunk (3.1-4.6x sgemm at 48-256 rows on qwen2.5's and SmolLM2's shapes, EPYC host,
         # docs/performance.md), as the Q4 blocks do.
         self.max_rows = Q4_MAX_ROWS["int16"] if activations == "int16" else BLOCKS_MAX_ROWS
+        if activations == "float":  # past 48 rows sgemm wins
+            self.w = dequantized(blocks)
 
-    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        if x.shape[0] > self.max_rows:
-            return F.linear(x, self.w, bias)
+    def multiply(self, x: Tensor) -> Tensor:
         matmul = self.kernel.q8a16_linear if self.activations == "int16" else self.kernel.q8_linear
-        y = matmul(x.float().contiguous(), self.qs, self.d).to(x.dtype)
-        return y + bias if bias is not None else y
+        return matmul(x.float().contiguous(), self.qs, self.d)
 
     @property
     def decode_tensors(self) -> tuple[Tensor, ...]:
@@ -88,4 +86,4 @@ class Q8Weight:
 
     def dequantized(self) -> Tensor:
         """The weights the kernel multiplies by, float32 [N, K] (x = identity)."""
-        return self.kernel.q8_linear(torch.eye(self.w.shape[1]), self.qs, self.d).T
+        return self.kernel.q8_linear(torch.eye(self.shape[1]), self.qs, self.d).T

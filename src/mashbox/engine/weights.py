@@ -1,16 +1,19 @@
 """Read a model's weights into float32 tensors under GGUF tensor names.
 
-GGUF files are dequantized with `gguf`; HF folders are read with `safetensors` and renamed.
-Every loader returns the same layout: Q/K rows in Hugging Face order, so the model applies
-one RoPE (NeoX, rotate-half) whatever the source.
+GGUF files are dequantized with `gguf`, a tensor when it is read (`FileTensors`): a model that
+reads a matrix's blocks as stored never holds its float32 copy. HF folders are read with
+`safetensors` and renamed. Every loader returns the same layout: Q/K rows in Hugging Face
+order, so the model applies one RoPE (NeoX, rotate-half) whatever the source.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import attrs
 import numpy as np
@@ -29,20 +32,55 @@ class RawBlocks:
     qtype: GGMLQuantizationType
     data: torch.Tensor
 
+    def dequantized(self) -> torch.Tensor:
+        """The float32 matrix [rows, K] these blocks hold, as the whole tensor's dequantization
+        gives it (each block's weights depend on that block alone)."""
+        rows, n_blocks, _ = self.data.shape
+        block = GGML_QUANT_SIZES[self.qtype][0]
+        return dequantize(self.data.numpy(), self.qtype, (rows, n_blocks * block))
+
+
+def dequantized(parts: list[RawBlocks]) -> torch.Tensor:
+    """The float32 matrix of a matrix's parts (e.g. q, k, v), merged along the output dim."""
+    return torch.cat([b.dequantized() for b in parts])
+
+
+T = TypeVar("T")
+
+
+class FileTensors(Mapping[str, T]):
+    """A file's tensors by name, each made by `make` from its mapped bytes when read, and not
+    kept: whoever reads one keeps what it needs of it."""
+
+    def __init__(
+        self, infos: list[gguf_file.TensorInfo], make: Callable[[gguf_file.TensorInfo], T]
+    ):
+        self._infos = {t.name: t for t in infos}
+        self._make = make
+
+    def __getitem__(self, name: str) -> T:
+        return self._make(self._infos[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._infos)
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
 
 @attrs.frozen
 class LoadedWeights:
     """A model's config, its tensors by GGUF name, and what the file holds."""
 
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]  # float32; a GGUF file's dequantized when read
     file_bytes: int
     n_params: int
 
     # The file's own blocks of the matrices whose type was in `keep_blocks` (GGUF only), in
-    # the same row order as `tensors`: the int4 decode path loads Q4_0/Q4_1/Q4_K exactly
-    # from them.
-    blocks: dict[str, RawBlocks] = attrs.field(factory=dict)
+    # the same row order as `tensors`, copied off the file when read: the int4 decode path
+    # loads Q4_0/Q4_1/Q4_K exactly from them.
+    blocks: Mapping[str, RawBlocks] = attrs.field(factory=dict)
 
     @property
     def bits_per_weight(self) -> float:
@@ -70,36 +108,43 @@ def permute_rope_rows(w, n_heads: int):
 
 
 def load_gguf(path: Path, keep_blocks: Collection[GGMLQuantizationType] = ()) -> LoadedWeights:
-    """Dequantize every tensor of a GGUF file to float32 (and keep the raw blocks of the
-    matrices whose type is in `keep_blocks`)."""
+    """A GGUF file's tensors, each dequantized to float32 when read, and the raw blocks of the
+    matrices whose type is in `keep_blocks`, each copied off the file when read."""
     fields, infos = gguf_file.read(path)
-    tensors, blocks = {}, {}
-    n_params = 0
-    for t in infos:
-        tensors[t.name] = dequantize(t.data, t.qtype, t.shape)
-        n_params += tensors[t.name].numel()
-        if t.qtype in keep_blocks and len(t.shape) == 2:
-            block_bytes = GGML_QUANT_SIZES[t.qtype][1]
-            data = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # a copy off the mmap
-            blocks[t.name] = RawBlocks(t.qtype, data.reshape(t.shape[0], -1, block_bytes))
-    vocab_size = tensors["token_embd.weight"].shape[0]
+    names = {t.name for t in infos}
     config = from_gguf_fields(
         fields,
-        vocab_size=vocab_size,
-        tied="output.weight" not in tensors,
-        has_bias="blk.0.attn_q.bias" in tensors,
+        vocab_size=next(t.shape[0] for t in infos if t.name == "token_embd.weight"),
+        tied="output.weight" not in names,
+        has_bias="blk.0.attn_q.bias" in names,
     )
+    # llama.cpp's converter permutes Q/K rows for its interleaved RoPE (qwen GGUFs are not
+    # permuted): the heads each such matrix is undone over.
+    rope_heads = {}
     if config.arch in ("llama", "mistral"):
-        # llama.cpp's converter permutes Q/K for its interleaved RoPE; qwen GGUFs are not permuted.
         for i in range(config.n_layers):
-            q, k = f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight"
-            for name, heads in ((q, config.n_heads), (k, config.n_kv_heads)):
-                tensors[name] = unpermute_rope_rows(tensors[name], heads)
-                if name in blocks:  # blocks run along a row: permuting rows moves whole blocks
-                    raw = blocks[name]
-                    blocks[name] = RawBlocks(raw.qtype, unpermute_rope_rows(raw.data, heads))
+            rope_heads[f"blk.{i}.attn_q.weight"] = config.n_heads
+            rope_heads[f"blk.{i}.attn_k.weight"] = config.n_kv_heads
+
+    def in_hf_order(name: str, rows: torch.Tensor) -> torch.Tensor:
+        return unpermute_rope_rows(rows, rope_heads[name]) if name in rope_heads else rows
+
+    def floats(t: gguf_file.TensorInfo) -> torch.Tensor:
+        return in_hf_order(t.name, dequantize(t.data, t.qtype, t.shape))
+
+    def blocks(t: gguf_file.TensorInfo) -> RawBlocks:
+        data = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # a copy off the mmap
+        data = data.reshape(t.shape[0], -1, GGML_QUANT_SIZES[t.qtype][1])
+        # Blocks run along a row: permuting rows moves whole blocks.
+        return RawBlocks(t.qtype, in_hf_order(t.name, data))
+
+    kept = [t for t in infos if t.qtype in keep_blocks and len(t.shape) == 2]
     return LoadedWeights(
-        config, tensors, file_bytes=path.stat().st_size, n_params=n_params, blocks=blocks
+        config,
+        FileTensors(infos, floats),
+        file_bytes=path.stat().st_size,
+        n_params=sum(math.prod(t.shape) for t in infos),
+        blocks=FileTensors(kept, blocks),
     )
 
 
