@@ -261,6 +261,7 @@ class EngineInfo:
     kv_dtype: str = ""  # what the KV cache holds: float16 where the CPU kernels attend
     kv_bytes_per_token: int = 0  # K and V of one position, all layers
     decode_bytes: int = 0  # weight bytes one decode step reads
+    held_bytes: int = 0  # weight bytes the engine holds: every form kept, the embedding
     decode_weights: str = "float"  # float, int8, int4, int4a16, int4a8, q8_0
     kernels: str = ""  # the CPU kernels decode runs on, e.g. "avx512+vnni (native)"
     kernels_fallback: str = ""  # why decode fell back to torch's ops on a CPU, with the remedy

@@ -182,18 +182,71 @@ static Best best_of(const float* x, int64_t n) {
   return {0, true};  // not reached: top is one of x
 }
 
+// A token's embedding row, from a float32 table [vocab, d_model] or from embedding.py's
+// compact rows: int8 q [vocab, d_model] times a float32 scale [vocab, d_model / group], plus
+// a float32 offset there if any: the product, then one rounded addition, as torch's.
+class Embedding {
+ public:
+  explicit Embedding(const std::vector<torch::Tensor>& t) : tensors_(t) {
+    TORCH_CHECK(t.size() == 1 || t.size() == 3, "an embedding: a table, or q, scale, offset");
+    for (const auto& x : t) TORCH_CHECK(x.is_contiguous() && x.device().is_cpu());
+    vocab_ = t[0].size(0), width_ = t[0].size(1);
+    if (t.size() == 1) {
+      TORCH_CHECK(t[0].dtype() == torch::kFloat && t[0].dim() == 2);
+      table_ = t[0].data_ptr<float>();
+      return;
+    }
+    TORCH_CHECK(t[0].dtype() == torch::kChar && t[0].dim() == 2 && t[1].dtype() == torch::kFloat &&
+                t[1].dim() == 2 && t[1].size(0) == vocab_ && width_ % t[1].size(1) == 0);
+    q_ = t[0].data_ptr<int8_t>(), scale_ = t[1].data_ptr<float>();
+    groups_ = t[1].size(1), group_ = width_ / groups_;
+    if (t[2].numel()) {
+      TORCH_CHECK(t[2].dtype() == torch::kFloat && t[2].sizes() == t[1].sizes());
+      offset_ = t[2].data_ptr<float>();
+    }
+  }
+
+  int64_t vocab() const { return vocab_; }
+  int64_t width() const { return width_; }
+
+  void row(int64_t token, float* out) const {
+    if (table_) {
+      std::copy_n(table_ + token * width_, width_, out);
+      return;
+    }
+    const int8_t* q = q_ + token * width_;
+    for (int64_t g = 0; g < groups_; ++g) {
+      const float s = scale_[token * groups_ + g];
+      const float o = offset_ ? offset_[token * groups_ + g] : 0.0f;
+      for (int64_t j = g * group_; j < (g + 1) * group_; ++j) {
+        // Where there is an offset the product is exact (q < 32), so even a fused
+        // multiply-add rounds once, as torch's multiply, then add.
+        out[j] = offset_ ? static_cast<float>(q[j]) * s + o : static_cast<float>(q[j]) * s;
+      }
+    }
+  }
+
+ private:
+  std::vector<torch::Tensor> tensors_;  // kept alive: the pointers below are theirs
+  const float* table_ = nullptr;
+  const int8_t* q_ = nullptr;
+  const float *scale_ = nullptr, *offset_ = nullptr;
+  int64_t vocab_ = 0, width_ = 0, groups_ = 0, group_ = 0;
+};
+
 class DecodeStack {
  public:
   // Each layer: attn_norm, wqkv (2 tensors), bqkv, q_norm, k_norm, wo (2), ffn_norm,
   // gate_up (2), down (2), each matrix int8, Q4 or Q8_0 (Mat); empty tensors where absent.
   // q4_activation_bits: what the Q4 and Q5 matrices multiply (32: float32, 16, 8).
-  // embed: the float32 embedding table [vocab, d_model] (`logits` reads its rows). head: the
+  // embed: the embedding, as `Embedding` takes it (`logits` reads its rows). head: the
   // output matrix's two tensors where it is a decode weight, with what its activations are
   // rounded to (`logits` runs it; each step's idle threads ask for its first bytes), or none.
   DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, torch::Tensor final_norm,
               torch::Tensor cos, torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
-              int64_t head_dim, double eps, int64_t q4_activation_bits, torch::Tensor embed,
-              const std::vector<torch::Tensor>& head, int64_t head_activation_bits)
+              int64_t head_dim, double eps, int64_t q4_activation_bits,
+              const std::vector<torch::Tensor>& embed, const std::vector<torch::Tensor>& head,
+              int64_t head_activation_bits)
       : embed_(embed), final_norm_(final_norm), cos_(cos), sin_(sin), n_heads_(n_heads),
         n_kv_heads_(n_kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)) {
     TORCH_CHECK(head_dim % 8 == 0 && cos.size(1) * 2 == head_dim);
@@ -204,10 +257,9 @@ class DecodeStack {
       for (const auto& x : t) TORCH_CHECK(x.is_contiguous() && x.device().is_cpu());
       layers_.emplace_back(t, bits);
     }
-    TORCH_CHECK(embed.dtype() == torch::kFloat && embed.dim() == 2 && embed.is_contiguous());
     for (const auto& t : {final_norm, cos, sin})
       TORCH_CHECK(t.dtype() == torch::kFloat && t.is_contiguous() && t.device().is_cpu());
-    embed_at_ = embed.data_ptr<float>(), final_norm_at_ = final_norm.data_ptr<float>();
+    final_norm_at_ = final_norm.data_ptr<float>();
     cos_at_ = cos.data_ptr<float>(), sin_at_ = sin.data_ptr<float>();
     TORCH_CHECK(head.empty() || head.size() == 2, "the head: two tensors or none");
     if (head.size() == 2) head_ = Mat{head[0], head[1], head_activation_bits};
@@ -224,12 +276,12 @@ class DecodeStack {
       const std::vector<int64_t>& tokens, const std::vector<int64_t>& positions,
       const std::vector<int64_t>& slots, torch::Tensor cache_k, torch::Tensor cache_v) {
     TORCH_CHECK(head_, "this stack has no head");
-    const int64_t B = static_cast<int64_t>(tokens.size()), D = embed_.size(1);
+    const int64_t B = static_cast<int64_t>(tokens.size()), D = embed_.width();
     TORCH_CHECK(B > 0 && positions.size() == tokens.size() && slots.size() == tokens.size());
     std::vector<float> x(B * D), h(B * D);
     for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(tokens[b] >= 0 && tokens[b] < embed_.size(0), "token id out of range");
-      std::copy_n(embed_at_ + tokens[b] * D, D, x.data() + b * D);
+      TORCH_CHECK(tokens[b] >= 0 && tokens[b] < embed_.vocab(), "token id out of range");
+      embed_.row(tokens[b], x.data() + b * D);
     }
     layers(x.data(), B, positions.data(), slots.data(), cache_k, cache_v, h.data());
     const int64_t V = head_->n();
@@ -250,7 +302,7 @@ class DecodeStack {
   // torch rounds them to float16) and returns the final-normed hidden states [B, d_model].
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots,
                         torch::Tensor cache_k, torch::Tensor cache_v) {
-    TORCH_CHECK(x.dtype() == torch::kFloat && x.dim() == 2 && x.size(1) == embed_.size(1));
+    TORCH_CHECK(x.dtype() == torch::kFloat && x.dim() == 2 && x.size(1) == embed_.width());
     TORCH_CHECK(positions.dtype() == torch::kLong && slots.dtype() == torch::kLong &&
                 positions.numel() == x.size(0) && slots.numel() == x.size(0));
     x = x.contiguous().clone();  // the residual stream, written in place
@@ -283,7 +335,7 @@ class DecodeStack {
   template <typename T>
   void step(float* xs, int64_t B, const int64_t* pos, const int64_t* slot, T* kc, T* vc,
             at::IntArrayRef cache_shape, float* out) {
-    const int64_t D = embed_.size(1), hd = head_dim_, half = hd / 2;
+    const int64_t D = embed_.width(), hd = head_dim_, half = hd / 2;
     const int64_t nh = n_heads_, nkv = n_kv_heads_;
     const int64_t n_slots = cache_shape[1], ctx = cache_shape[3];
     const int64_t row_stride = nkv * ctx * hd, layer_stride = n_slots * row_stride;
@@ -355,8 +407,9 @@ class DecodeStack {
 
   std::vector<Layer> layers_;
   std::optional<Mat> head_;
-  torch::Tensor embed_, final_norm_, cos_, sin_;
-  const float *embed_at_, *final_norm_at_, *cos_at_, *sin_at_;  // their data, read once
+  Embedding embed_;
+  torch::Tensor final_norm_, cos_, sin_;
+  const float *final_norm_at_, *cos_at_, *sin_at_;  // their data, read once
   int64_t n_heads_, n_kv_heads_, head_dim_;
   float eps_;
 };
@@ -451,7 +504,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())
       .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, torch::Tensor,
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double,
-                          int64_t, torch::Tensor, const std::vector<torch::Tensor>&, int64_t>())
+                          int64_t, const std::vector<torch::Tensor>&,
+                          const std::vector<torch::Tensor>&, int64_t>())
       .def("forward", &DecodeStack::forward)
       .def("logits", &DecodeStack::logits);
 }

@@ -240,6 +240,7 @@ class Engine:
             kv_dtype=str(self.cache.k.dtype).removeprefix("torch."),
             kv_bytes_per_token=self.cache.bytes_per_token,
             decode_bytes=self.model.decode_nbytes,
+            held_bytes=self.model.held_nbytes,
             decode_weights=self.model.decode_kind,
             kernels=kernels.kernels,
             kernels_fallback=kernels.fallback,

@@ -14,6 +14,7 @@ from torch import Tensor
 from . import cpu_kernels, int4
 from .config import ModelConfig
 from .decode_weight import DecodeWeight, decode_weight_for, linear, most_compact_kind, nbytes
+from .embedding import Embedding
 from .int8_weight import INT8_MAX_ROWS
 from .kv_cache import KVCache
 from .sampling import DecodeLogits
@@ -152,6 +153,23 @@ def linear_in_blocks(x: Tensor, w: Tensor | DecodeWeight, bias: Tensor | None = 
     return torch.cat([linear(block, w, bias) for block in padded.split(GEMM_ROW_BLOCK)])[:n]
 
 
+def tensors_in(obj) -> list[Tensor]:
+    """The tensors `obj` holds: itself, those in a list, tuple or dict, or in an object's
+    attributes that are any of those (a decode weight's, the embedding's)."""
+    containers = Tensor | list | tuple | dict
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, list | tuple):
+        items = obj
+    elif hasattr(obj, "__dict__"):
+        items = [v for v in vars(obj).values() if isinstance(v, containers)]
+    else:
+        return []
+    return [t for o in items for t in tensors_in(o)]
+
+
 # Each decode matrix and the file's tensors it is made of, concatenated along the output dim.
 DECODE_MATRICES = {
     "wqkv": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
@@ -204,15 +222,16 @@ class Model:
                 return floats()
             return decode_weight_for([blocks.get(p) for p in parts], decode_weights, floats)
 
-        self.embed = t("token_embd.weight")
+        # The embedding as the file's blocks where it can (float32 rows from them, exactly).
+        embed_blocks = blocks.get("token_embd.weight") if dtype == torch.float32 else None
+        self.embedding = Embedding.of(embed_blocks, lambda: t("token_embd.weight"))
         head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-        self.lm_head = self.embed if cfg.tied_embeddings else t(head)
         if decode_weights != "float":
-            self.lm_head = decode_weight_for(
-                [blocks.get(head)],
-                decode_weights,
-                lambda: self.embed if cfg.tied_embeddings else t(head),
-            )
+            self.lm_head = decode_weight_for([blocks.get(head)], decode_weights, lambda: t(head))
+        elif cfg.tied_embeddings:
+            self.lm_head = self.embedding.table
+        else:
+            self.lm_head = t(head)
         self.final_norm = t("output_norm.weight")
         self.layers = []
         for i in range(cfg.n_layers):
@@ -291,7 +310,7 @@ class Model:
         head = self._kernel_head()  # the stack's `logits` runs it after the layers
         return cpu_kernels.load().DecodeStack(
             layers, self.final_norm, self.cos, self.sin,
-            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, bits, self.embed,
+            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps, bits, self.embedding.tensors,
             list(head.decode_tensors) if head else [], head.activation_bits if head else 32,
         )  # fmt: skip
 
@@ -314,13 +333,23 @@ class Model:
         layers = sum(nbytes(w) for layer in self.layers for w in layer.values() if w is not None)
         return layers + nbytes(self.lm_head) + nbytes(self.final_norm)
 
+    @property
+    def held_nbytes(self) -> int:
+        """Bytes of weights this model holds: every form each matrix is kept in (a decode
+        weight's float copy where it keeps one), the embedding and the norms, each storage
+        counted once (a tied head may share the embedding's)."""
+        held = [self.embedding, self.lm_head, self.final_norm, self.layers]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in tensors_in(held)}  # fmt: skip
+        return sum(storages.values())
+
     def forward(self, token_ids: Tensor, positions: Tensor, attend, linear=linear) -> Tensor:
         """Run the decoder on flat tokens; `attend(layer, q, k, v)` owns the KV cache.
 
         token_ids and positions are [T]; returns the final hidden states [T, d_model].
         """
         cfg, glue, eps = self.cfg, self.glue, self.cfg.norm_eps
-        x = F.embedding(token_ids, self.embed)
+        x = self.embedding(token_ids)
         cos, sin = self.cos[positions], self.sin[positions]
         nq, nkv, hd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.head_dim
         h = glue.rms_norm(x, self.layers[0]["attn_norm"], eps)
@@ -418,7 +447,7 @@ class Model:
         """Feed one token per slot (a batch); return hidden states [len(slots), d_model]."""
         slot_index = torch.tensor(slots, device=self.device)
         if self.decode_stack is not None and len(slots) <= INT8_MAX_ROWS:
-            x = F.embedding(token_ids, self.embed)
+            x = self.embedding(token_ids)
             return self.decode_stack.forward(x, positions, slot_index, cache.k, cache.v)
         lengths = [int(p) + 1 for p in positions.tolist()]
 

@@ -50,7 +50,7 @@ def model_card(state: ServerState) -> dict:
         "created": 0,
         "max_model_len": state.ctx,
         "weights": state.loaded.weights_name if state.loaded else "",
-        "gb": round(info.n_params * (2 if info.dtype == "bfloat16" else 4) / 1e9, 3) if info else 0,
+        "gb": round(info.held_bytes / 1e9, 3) if info else 0,
         "bpw": info.bits_per_weight if info else 0,
         "decode_gb": round(info.decode_bytes / 1e9, 6) if info else 0,
         "decode_weights": info.decode_weights if info else None,
