@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 
 from mashbox import registry
 from mashbox.engine import cpu_kernels, gguf_file, kernel_build
-from mashbox.engine.decode_weight import decode_weight_for
+from mashbox.engine.decode_weight import SplitWeight, decode_weight_for
 from mashbox.engine.dequant import dequantize
 from mashbox.engine.engine import Engine
 from mashbox.engine.int4 import BLOCK_KINDS, Int4Weight, k_scales, q4_k_scales, unpack
@@ -176,7 +176,7 @@ def random_k5(n: int, k: int, seed: int) -> np.ndarray:
     return np.concatenate([q4[..., :16], fifth, q4[..., 16:]], axis=-1)
 
 
-def test_decode_weights_take_q4_k_alone_or_merged_with_q4_0():
+def test_decode_weights_take_q4_k_alone_merged_with_q4_0_or_split_from_q6_k():
     raw = random_q4_k(64, 256, seed=5)
     ref = reference(raw)
     # A Q4_0 part (w = (q - 8) * d) of 32 rows merged with the Q4_K one, as wqkv merges q, k, v.
@@ -188,10 +188,20 @@ def test_decode_weights_take_q4_k_alone_or_merged_with_q4_0():
     merged = decode_weight_for([blocks_of(raw), RawBlocks(Q.Q4_0, q4_0)], "int4a16", None)
     assert isinstance(merged, Int4Weight) and merged.dm.dtype == torch.float32
     assert torch.equal(merged.dequantized(), torch.cat([ref, w0]))
-    # A part without 4-bit blocks (Q6_K, Q8_0 on other kernels) leaves the matrix int8.
-    q6 = RawBlocks(Q.Q6_K, torch.zeros(32, 1, 210, dtype=torch.uint8))
-    weight = decode_weight_for([blocks_of(raw), q6], "int4", lambda: torch.cat([ref, w0]))
-    assert isinstance(weight, Int8Weight)
+    # A Q6_K part (a Q4_K_M file's v beside Q4_K q and k) keeps its own kind: the parts
+    # split, each read as stored, one after another.
+    q6 = np.random.default_rng(7).integers(0, 256, (32, 1, 210), dtype=np.uint8)
+    q6[..., 208:210] = np.full((32, 1, 1), 2.0**-12, np.float16).view(np.uint8)
+    w6 = dequantize(q6.reshape(-1), Q.Q6_K, (32, 256))
+    for kind in BLOCK_KINDS:
+        split = decode_weight_for([blocks_of(raw), RawBlocks(Q.Q6_K, torch.from_numpy(q6))],
+                                  kind, None)  # fmt: skip
+        assert isinstance(split, SplitWeight) and split.shape == (96, 256), kind
+        assert isinstance(split.parts[0], Int4Weight) and split.w is None, kind
+        assert torch.equal(split.dequantized(), torch.cat([ref, w6])), kind
+        x = torch.randn(5, 256, generator=g)
+        want = torch.cat([split.parts[0](x), split.parts[1](x)], dim=1)
+        assert torch.equal(split(x), want) and split.kind == kind, kind
 
 
 def test_without_mashbox_kernels_q4_k_stays_int8(monkeypatch):

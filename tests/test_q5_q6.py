@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 
 from mashbox import registry
 from mashbox.engine import cpu_kernels, gguf_file, kernel_build
-from mashbox.engine.decode_weight import decode_weight_for
+from mashbox.engine.decode_weight import SplitWeight, decode_weight_for
 from mashbox.engine.dequant import dequantize
 from mashbox.engine.engine import Engine
 from mashbox.engine.int4 import Int4Weight, unpack
@@ -222,7 +222,8 @@ QTYPES = {  # a layer as qwen2.5's Q4_K_M file has it, with Q5_1 for wo
 
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory):
-    """A 2-layer Llama, d_model 256 and d_ff 512, its matrices Q5_0, Q5_1, Q8_0 and Q6_K."""
+    """A 2-layer Llama, d_model 256 and d_ff 512, its matrices Q5_0, Q5_1, Q8_0 and Q6_K; layer
+    1's q and k Q5_1 beside its Q8_0 v, which no one kind holds together (SplitWeight)."""
     w = random_weights(vocab=97, d_model=256, d_ff=512, seed=7)
     original = gguf.quants.quantize
 
@@ -232,6 +233,8 @@ def model_file(tmp_path_factory):
     def qtype_of(name):
         if name.endswith("norm.weight"):
             return None
+        if name.startswith("blk.1.attn_") and name.split(".")[-2] in ("attn_q", "attn_k"):
+            return Q.Q5_1
         return Q.Q8_0 if name == "output.weight" else QTYPES.get(name.split(".")[-2], Q.Q8_0)
 
     with pytest.MonkeyPatch.context() as patch:
@@ -253,8 +256,11 @@ def engine(request, model_file):
 
 def test_every_layer_matrix_reads_the_files_weights(engine, model_file):
     rounded = engine.model.decode_kind != "int4"  # Q6_K's six bits take int16 activations
+    first, second = engine.model.layers
+    assert isinstance(first["wqkv"], Q8Weight) and first["wqkv"].d.dtype == torch.float16
+    assert isinstance(second["wqkv"], SplitWeight)
+    assert [type(p) for p in second["wqkv"].parts] == [Int4Weight, Int4Weight, Q8Weight]
     for i, layer in enumerate(engine.model.layers):
-        assert isinstance(layer["wqkv"], Q8Weight) and layer["wqkv"].d.dtype == torch.float16
         down = layer["w_down"]
         if rounded:
             assert isinstance(down, Q6Weight) and down.qs.shape[-1] == 192

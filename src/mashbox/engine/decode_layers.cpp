@@ -134,18 +134,61 @@ static const float* data_or_null(const torch::Tensor& t) {
   return t.numel() ? t.data_ptr<float>() : nullptr;
 }
 
+// A matrix made of parts along its outputs (q, k and v), each a Mat: one where a single
+// kind of decode weight holds them all; else each part's own (a Q4_K_M file's Q6_K v beside
+// Q4_K q and k), run one after another into its columns.
+class Parts {
+ public:
+  Parts(const std::vector<torch::Tensor>& t, size_t first, size_t count, int64_t bits) {
+    for (size_t i = 0; i < count; ++i)
+      parts_.emplace_back(t[first + 2 * i], t[first + 2 * i + 1], bits);
+    for (const Mat& m : parts_) TORCH_CHECK(m.k() == parts_[0].k(), "parts of one input size");
+    for (const Mat& m : parts_) n_ += m.n();
+  }
+
+  int64_t n() const { return n_; }
+  ChunkPool::Ahead ahead(int64_t rows) const { return parts_[0].ahead(rows); }
+
+  void operator()(const float* x, float* y, int64_t rows) const {
+    if (parts_.size() == 1) {
+      parts_[0](x, y, rows);
+      return;
+    }
+    std::vector<float> part;
+    int64_t at = 0;
+    for (const Mat& m : parts_) {
+      if (rows == 1) {  // one row: each part's outputs are a stretch of y
+        m(x, y + at, 1);
+      } else {
+        part.resize(rows * m.n());
+        m(x, part.data(), rows);
+        for (int64_t r = 0; r < rows; ++r)
+          std::copy_n(part.data() + r * m.n(), m.n(), y + r * n_ + at);
+      }
+      at += m.n();
+    }
+  }
+
+ private:
+  std::vector<Mat> parts_;
+  int64_t n_ = 0;
+};
+
 // A layer's matrices and vectors, their pointers read once (Mat).
 struct Layer {
-  // attn_norm, wqkv (2 tensors), bqkv, q_norm, k_norm, wo (2), ffn_norm, gate_up (2), down
-  // (2); empty tensors where absent.
+  // attn_norm, wqkv (2 tensors a part: 1 to 3 parts), bqkv, q_norm, k_norm, wo (2), ffn_norm,
+  // gate_up (2), down (2); empty tensors where absent.
   Layer(const std::vector<torch::Tensor>& t, int64_t bits)
-      : tensors(t), attn_norm(data_or_null(t[0])), bqkv(data_or_null(t[3])),
-        q_norm(data_or_null(t[4])), k_norm(data_or_null(t[5])), ffn_norm(data_or_null(t[8])),
-        wqkv(t[1], t[2], bits), wo(t[6], t[7], bits), gate_up(t[9], t[10], bits),
-        down(t[11], t[12], bits) {}
+      : tensors(t), at(t.size() - 10), attn_norm(data_or_null(t[0])),
+        bqkv(data_or_null(t[at])), q_norm(data_or_null(t[at + 1])),
+        k_norm(data_or_null(t[at + 2])), ffn_norm(data_or_null(t[at + 5])),
+        wqkv(t, 1, (at - 1) / 2, bits), wo(t[at + 3], t[at + 4], bits),
+        gate_up(t[at + 6], t[at + 7], bits), down(t[at + 8], t[at + 9], bits) {}
   std::vector<torch::Tensor> tensors;  // kept alive
+  size_t at;  // where bqkv lies, after wqkv's parts
   const float *attn_norm, *bqkv, *q_norm, *k_norm, *ffn_norm;  // null where absent
-  Mat wqkv, wo, gate_up, down;
+  Parts wqkv;
+  Mat wo, gate_up, down;
 };
 
 // A row's first largest value's index, and whether the row holds no NaN and its largest value
@@ -236,7 +279,7 @@ class Embedding {
 
 class DecodeStack {
  public:
-  // Each layer: attn_norm, wqkv (2 tensors), bqkv, q_norm, k_norm, wo (2), ffn_norm,
+  // Each layer: attn_norm, wqkv (2 tensors a part), bqkv, q_norm, k_norm, wo (2), ffn_norm,
   // gate_up (2), down (2), each matrix int8, Q4 or Q8_0 (Mat); empty tensors where absent.
   // q4_activation_bits: what the Q4 and Q5 matrices multiply (32: float32, 16, 8).
   // embed: the embedding, as `Embedding` takes it (`logits` reads its rows). head: the
@@ -253,7 +296,8 @@ class DecodeStack {
     TORCH_CHECK(q4_activation_bits == 8 || q4_activation_bits == 16 || q4_activation_bits == 32);
     const int64_t bits = q4_activation_bits;
     for (const auto& t : layers) {
-      TORCH_CHECK(t.size() == 13, "13 tensors a layer");
+      TORCH_CHECK(t.size() == 13 || t.size() == 15 || t.size() == 17,
+                  "11 tensors a layer, and 2 for each of wqkv's 1 to 3 parts");
       for (const auto& x : t) TORCH_CHECK(x.is_contiguous() && x.device().is_cpu());
       layers_.emplace_back(t, bits);
     }

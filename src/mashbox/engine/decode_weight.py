@@ -1,7 +1,8 @@
 """What every decode weight offers (`DecodeWeight`), whatever it stores: int8 per channel
-(int8_weight.py), a GGUF's own 4-bit blocks (int4.py), Q6_K blocks (q6_weight.py) or Q8_0
-blocks (q8_weight.py); which one a matrix gets (`decode_weight_for`); and the helpers that
-take a matrix either as a float tensor or as a decode weight.
+(int8_weight.py), a GGUF's own 4-bit blocks (int4.py), Q6_K blocks (q6_weight.py), Q8_0
+blocks (q8_weight.py), or parts of several kinds (`SplitWeight`); which one a matrix gets
+(`decode_weight_for`); and the helpers that take a matrix either as a float tensor or as a
+decode weight.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol, runtime_checkable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -46,8 +48,22 @@ def decode_weight_for(
 ) -> DecodeWeight:
     """int4: the file's own 4-bit (or, on mashbox's kernels, Q8_0) blocks where every part
     has them, int8 otherwise; int4a16 / int4a8: the same, the 4-bit blocks taking int16 /
-    int8 activations and the Q6_K and Q8 blocks int16 ones. `float_matrix()` makes the float
-    matrix, called only where the int8 form is chosen (it is quantized from it)."""
+    int8 activations and the Q6_K and Q8 blocks int16 ones. Parts that no one kind holds
+    together but each some kind holds alone keep their own (`SplitWeight`). `float_matrix()`
+    makes the float matrix, called only where the int8 form is chosen (it is quantized from
+    it)."""
+    whole = block_weight(blocks, kind)
+    if whole is not None:
+        return whole
+    if len(blocks) > 1:
+        parts = [block_weight([b], kind) for b in blocks]
+        if all(p is not None for p in parts):
+            return SplitWeight(parts)
+    return Int8Weight(float_matrix())
+
+
+def block_weight(blocks: list[RawBlocks | None], kind: str) -> DecodeWeight | None:
+    """The decode weight of `kind` that reads these parts' blocks as stored, if one can."""
     activations = int4.BLOCK_KINDS.get(kind)
     if activations and int4.fits(blocks):
         return int4.Int4Weight(blocks, activations=activations)
@@ -55,7 +71,36 @@ def decode_weight_for(
         return Q6Weight(blocks)
     if activations and fits_q8(blocks):
         return Q8Weight(blocks, activations="float" if activations == "float" else "int16")
-    return Int8Weight(float_matrix())
+    return None
+
+
+class SplitWeight:
+    """A matrix of parts along its outputs (q, k and v) that keep decode weights of different
+    kinds, the file's blocks each, where no one kind holds them all (a Q4_K_M file's Q6_K v
+    beside Q4_K q and k): a call joins the parts' outputs, and the decode stack runs the
+    parts one after another (decode_layers.cpp, `Parts`)."""
+
+    w = None
+
+    def __init__(self, parts: list[DecodeWeight]):
+        self.parts = parts
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        kernels = {p.kernel for p in parts}
+        self.kernel = kernels.pop() if len(kernels) == 1 else None
+        self.max_rows = min(p.max_rows for p in parts)
+        self.kind = most_compact_kind(parts)
+        self.activation_bits = min(p.activation_bits for p in parts)
+
+    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=1)
+        return y + bias if bias is not None else y
+
+    @property
+    def decode_tensors(self) -> tuple[Tensor, ...]:
+        return tuple(t for p in self.parts for t in p.decode_tensors)
+
+    def dequantized(self) -> Tensor:
+        return torch.cat([p.dequantized() for p in self.parts])
 
 
 # How compact each kind is, the smallest first (a model's 4-bit matrices share one kind).
