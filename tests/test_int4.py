@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from mashbox import registry
+from mashbox.engine import kernel_build
 from mashbox.engine import weights as weights_mod
+from mashbox.engine.decode_weight import SplitWeight
 from mashbox.engine.engine import Engine
 from mashbox.engine.int4 import EXACT_QTYPES, Int4Weight, unpack
 from mashbox.engine.int8_weight import Int8Weight
@@ -89,7 +91,7 @@ def test_tiny_q4_blocks_load_exactly_in_float32_and_within_the_bf16_bound(tiny4)
 def test_int4_engine_uses_int4_where_blocks_allow_and_int8_elsewhere(tmp_path):
     def qtype_of(name):
         if name.endswith("attn_v.weight"):
-            return Q.Q8_0  # wqkv is cat(q, k, v): one part without 4-bit blocks
+            return Q.Q8_0  # wqkv is cat(q, k, v): one part without 4-bit blocks, its own
         if name.endswith("ffn_down.weight"):
             return None  # F32
         return Q.Q4_0 if name.endswith("ffn_up.weight") else Q.Q4_1  # mixed 4-bit types merge
@@ -98,7 +100,11 @@ def test_int4_engine_uses_int4_where_blocks_allow_and_int8_elsewhere(tmp_path):
         tiny_gguf(tmp_path / "m.gguf", qtype_of, vocab=97), slots=1, decode_weights="int4"
     )
     for layer in engine.model.layers:
-        assert isinstance(layer["wqkv"], Int8Weight)
+        if kernel_build.machine_lacks() is None:  # mashbox's kernels read Q8_0: parts apart
+            assert isinstance(layer["wqkv"], SplitWeight)
+            assert [type(p) for p in layer["wqkv"].parts] == [Int4Weight, Int4Weight, Q8Weight]
+        else:  # torch's int4 kernel alone: no Q8_0, so int8 for the whole matrix
+            assert isinstance(layer["wqkv"], Int8Weight)
         assert isinstance(layer["wo"], Int4Weight)
         assert isinstance(layer["w_gate_up"], Int4Weight)
         assert isinstance(layer["w_down"], Int8Weight)
