@@ -202,7 +202,8 @@ class Int4Weight(CompactWeight):
 
     @property
     def max_rows(self) -> int:
-        """Rows up to which a call uses the int4 weights; more take the float path."""
+        """Rows up to which a call multiplies by the blocks at once; more take the float path,
+        or the blocks in pieces (compact_weight.py)."""
         return Q4_MAX_ROWS[self.activations] if self.kernel is not None else INT4_MAX_ROWS
 
     def multiply(self, x: Tensor) -> Tensor:
