@@ -209,14 +209,15 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
             info.kernels_fallback,
         )
     log.info(
-        "ready in %.1f s: %s (%s, %.0fM params, %s on %s), decode %s, %d slots x %d tokens "
-        "of %s KV, host prompt cache %d MiB",
+        "ready in %.1f s: %s (%s, %.0fM params, %s on %s, %.2f GB of weights held), decode %s, "
+        "%d slots x %d tokens of %s KV, host prompt cache %d MiB",
         time.monotonic() - t0,
         ref.id,
         info.arch,
         info.n_params / 1e6,
         info.dtype,
         info.device,
+        info.held_bytes / 1e9,
         info.decode,
         opts.slots,
         info.ctx,
