@@ -143,7 +143,7 @@ def test_q6_k_alone_reads_its_six_bits_where_activations_are_rounded(kind):
     assert isinstance(weight, Q6Weight) and weight.kind == "q6_k"
     assert weight.qs.shape == (2, 64, 192) and weight.scales.shape == (2, 2, 576)
     assert sum(t.nbytes for t in weight.decode_tensors) == 64 * 2 * 210  # the file's bytes
-    parts = [unpack_q6_k(torch.from_numpy(raw)) for raw in raws]
+    parts = [unpack_q6_k(blocks_of(Q.Q6_K, raw)) for raw in raws]
     q, sc, d = (torch.cat(p) for p in zip(*parts, strict=True))
     assert torch.equal(cpu_kernels.unpack_q4(weight.qs), q)
     assert all(map(torch.equal, cpu_kernels.unpack_q6(weight.scales), (sc, d)))

@@ -467,5 +467,12 @@ torch::Tensor q4a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
 // where this build has it and Linux grants this process its tile state, else why not.
 std::string amx_status();
 void set_amx(bool on);  // off: the AVX-512 kernels alone (the same bits), for the tests
+// A GGUF matrix's blocks into the kernels' layouts at load (block_repack.cpp).
+torch::Tensor block_bits(const std::vector<torch::Tensor>& parts,
+                         const std::vector<int64_t>& qtypes);
+torch::Tensor pack_blocks(const std::vector<torch::Tensor>& parts,
+                          const std::vector<int64_t>& qtypes, int64_t planes);
+torch::Tensor pack_blocks_q8(const std::vector<torch::Tensor>& parts,
+                             const std::vector<int64_t>& qtypes, int64_t offset);
 // Causal attention of a prefill chunk over one slot's cache (prefill_attention.cpp).
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start);

@@ -202,7 +202,31 @@ def self_check(module) -> str | None:
                 got = matmul(x)
                 if not torch.equal(got, want):
                     return f"self-check: {name} is not exact at {m} rows x {n} outputs"
-    return _check_attention(module, g)
+    return _check_repack(module, g) or _check_attention(module, g)
+
+
+def _check_repack(module, g: torch.Generator) -> str | None:
+    """block_bits, pack_blocks and pack_blocks_q8 (block_repack.cpp) against their torch
+    definitions, on random bytes of every block type in a 64 x 512 matrix of two parts."""
+    from gguf import GGML_QUANT_SIZES
+
+    from .block_bits import BITS_QTYPES, kernel_args, torch_bits
+    from .weights import RawBlocks
+
+    for qtype in BITS_QTYPES:
+        block, size = GGML_QUANT_SIZES[qtype]
+        raw = torch.randint(0, 256, (64, 512 // block, size), generator=g, dtype=torch.uint8)
+        parts = kernel_args([RawBlocks(qtype, raw[:32]), RawBlocks(qtype, raw[32:])])
+        q = torch_bits(RawBlocks(qtype, raw))
+        if not torch.equal(module.block_bits(*parts), q):
+            return f"self-check: block_bits is wrong for {qtype.name}"
+        planes = int(q.max()).bit_length() - 4
+        if not torch.equal(module.pack_blocks(*parts, planes), packed_bits(q, planes)):
+            return f"self-check: pack_blocks is wrong for {qtype.name}"
+        int8 = pack_q8(q.to(torch.int8) - 32, torch.ones(len(q), 16))[0]
+        if not torch.equal(module.pack_blocks_q8(*parts, 32), int8):
+            return f"self-check: pack_blocks_q8 is wrong for {qtype.name}"
+    return None
 
 
 def _check_attention(module, g: torch.Generator) -> str | None:
@@ -409,6 +433,13 @@ def nibbles(q: torch.Tensor) -> torch.Tensor:
     return qs.reshape(n // TILE, k // 8, 4 * TILE)
 
 
+def packed_bits(q: torch.Tensor, planes: int) -> torch.Tensor:
+    """q's low nibbles as pack_q4's qs, each record followed by `planes` bit planes of bits 4
+    and 5: pack_q4's (0), pack_q5's (1) and pack_q6's (2) qs."""
+    low = nibbles(q & 0x0F)
+    return torch.cat([low, *(bit_plane((q >> (4 + p)) & 1) for p in range(planes))], dim=-1)
+
+
 def bit_plane(bits: torch.Tensor) -> torch.Tensor:
     """One bit a weight (uint8 [N, K] in 0..1) as a record's 32 bytes, little-endian: 128
     bits for the records' low nibbles (bit 4o + j: output o's byte j), then 128 for the high
@@ -429,8 +460,7 @@ def pack_q5(
     qs uint8 [N / 32, K / 8, 160], each record pack_q4's 128 bytes of low nibbles, then their
     fifth bits, little-endian: 128 bits for the low nibbles (bit 4o + j: output o's byte j),
     then 128 for the high ones; dm as pack_q4's."""
-    low, dm = pack_q4(q & 0x0F, d, m)
-    return torch.cat([low, bit_plane(q >> 4)], dim=-1), dm
+    return packed_bits(q, 1), pack_scales(d, m)
 
 
 def pack_q6(
@@ -440,12 +470,16 @@ def pack_q6(
     d * sc * (q - 32)) as q6a16 reads them: qs uint8 [N / 32, K / 8, 192], pack_q5's records
     with a plane of sixth bits after the fifth; and scales uint8 [N / 32, K / 256, 576], per
     tile and 256 weights the int8 sc [16, 32], then the fp16 d [32]."""
-    n, k = q.shape
-    qs = torch.cat([nibbles(q & 0x0F), bit_plane((q >> 4) & 1), bit_plane(q >> 5)], dim=-1)
+    return packed_bits(q, 2), pack_q6_scales(sc, d)
+
+
+def pack_q6_scales(sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """pack_q6's scales of int8 sc [N, K / 16] and fp16 d [N, K / 256]."""
+    n, k = sc.shape[0], sc.shape[1] * 16
     tiles, supers = n // TILE, k // 256
     sc = sc.view(tiles, TILE, supers, 16).permute(0, 2, 3, 1).reshape(tiles, supers, 16 * TILE)
     d = d.view(tiles, TILE, supers).transpose(1, 2).contiguous()
-    return qs, torch.cat([sc.view(torch.uint8), d.view(torch.uint8)], dim=-1).contiguous()
+    return torch.cat([sc.view(torch.uint8), d.view(torch.uint8)], dim=-1).contiguous()
 
 
 def unpack_q6(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -479,4 +513,10 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     [N / 32, K / 16, 32]."""
     n, k = q.shape
     qs = q.view(n // TILE, TILE, k // 2, 2).transpose(1, 2).reshape(n // TILE, k // 2, 2 * TILE)
-    return qs, d.view(n // TILE, TILE, d.shape[1]).transpose(1, 2).contiguous()
+    return qs, pack_q8_scales(d)
+
+
+def pack_q8_scales(d: torch.Tensor) -> torch.Tensor:
+    """pack_q8's d of d [N, K / 32] (fp16) or [N, K / 16] (float32)."""
+    n = d.shape[0]
+    return d.view(n // TILE, TILE, d.shape[1]).transpose(1, 2).contiguous()

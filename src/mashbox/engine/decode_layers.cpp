@@ -537,6 +537,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x . W^T, W a GGUF's Q6_K blocks packed by pack_q6, x rounded to int16 per 32");
   m.def("q4a8_linear", &q4a8_linear, "q4_linear with x rounded to int8 per block of 32");
   m.def("q4a16_linear", &q4a16_linear, "q4_linear with x rounded to int16 per block of 32");
+  m.def("block_bits", &block_bits,
+        "q uint8 [N, K] of a matrix's GGUF parts' blocks (int4.bits), stacked along N");
+  m.def("pack_blocks", &pack_blocks,
+        "those weights as pack_q4 (0 bit planes), pack_q5 (1) or pack_q6 (2) lay out qs");
+  m.def("pack_blocks_q8", &pack_blocks_q8,
+        "those weights less an offset as pack_q8 lays out its int8 qs");
   m.def("rows_rms_norm", &rows_rms_norm, "each row's RMSNorm, as a decode step's");
   m.def("rows_silu_mul", &rows_silu_mul, "silu(gate) * up of rows [gate | up], as a decode step's");
   m.def("rows_rope", &rows_rope, "rotate-half RoPE of rows [rows, heads, hd], as a decode step's");

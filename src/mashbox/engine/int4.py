@@ -29,9 +29,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from torch import Tensor
 
-from . import cpu_kernels
+from . import block_bits, cpu_kernels
 from .compact_weight import CompactWeight
-from .dequant import fifth_bits
 from .weights import RawBlocks, dequantized
 
 GROUP = 32  # the GGUF block: one kernel group
@@ -86,7 +85,7 @@ def k_scales(b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     n = b.shape[0]
     d = b[..., 0:2].contiguous().view(torch.float16).reshape(n, -1)
     dmin = b[..., 2:4].contiguous().view(torch.float16).reshape(n, -1)
-    sc, mn = q4_k_scales(b[..., 4:16])
+    sc, mn = q4_k_scales(b[..., 4:16].contiguous())  # strided uint8 ops are slow
     return sc.reshape(n, -1), mn.reshape(n, -1), d, dmin
 
 
@@ -97,58 +96,27 @@ def k_group_scales(sc: Tensor, mn: Tensor, d: Tensor, dmin: Tensor) -> tuple[Ten
     return d * sc.float(), -(dmin * mn.float())
 
 
-def unpack_q4_k(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Q4_K blocks uint8 [N, K / 256, 144] as groups of 32: nibbles uint8 [N, K] and float32
-    d, m [N, K / 32] (k_group_scales)."""
-    n = b.shape[0]
-    # 32 bytes per pair of sub-blocks: sub-block 2i in their low nibbles, 2i + 1 in the high.
-    qs = b[..., 16:].reshape(n, -1, 4, 1, 32)
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(n, -1)
-    return q, *k_group_scales(*k_scales(b))
-
-
-def unpack_q5_k(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Q5_K blocks uint8 [N, K / 256, 176] as groups of 32, as unpack_q4_k: q uint8 [N, K] in
-    0..31 (sub-block j's fifth bits are bit j of the 32 qh bytes), float32 d and m."""
-    n = b.shape[0]
-    qh = b[..., 16:48]  # [N, K / 256, 32]
-    high = ((qh[..., None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1) << 4
-    qs = b[..., 48:].reshape(n, -1, 4, 1, 32)
-    low = torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(n, -1, 8, 32)
-    q = (low | high).reshape(n, -1)
-    return q, *k_group_scales(*k_scales(b))
+def scales(blocks: RawBlocks) -> tuple[Tensor, Tensor]:
+    """Each block's d and m, fp16 [N, K / 32] as stored (Q4_0: m = -8 d, Q5_0: m = -16 d, exact
+    in fp16 where finite), or float32 for the K-quants' groups of 32 (k_group_scales) and
+    where Q5_0's -16 d overflows fp16: w = q * d + m."""
+    b = blocks.data
+    if blocks.qtype in K_QTYPES:
+        return k_group_scales(*k_scales(b))
+    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
+    if blocks.qtype in (Q.Q4_1, Q.Q5_1):
+        return d, b[..., 2:4].contiguous().view(torch.float16)[..., 0]
+    offset = 16 if blocks.qtype == Q.Q5_0 else 8
+    m = d * -offset
+    if not m.isfinite().all():  # |d| >= 2^12: -16 d is exact in float32 only
+        return d.float(), d.float() * -offset
+    return d, m
 
 
 def unpack(blocks: RawBlocks) -> tuple[Tensor, Tensor, Tensor]:
-    """Each block's q uint8 [N, K] (0..15, or 0..31 for Q5), d and m, fp16 [N, K / 32], as
-    stored (Q4_0: m = -8 d, Q5_0: m = -16 d, exact in fp16 where finite), or float32 for the
-    K-quants' groups of 32: w = q * d + m."""
-    b = blocks.data
-    if blocks.qtype == Q.Q4_K:
-        return unpack_q4_k(b)
-    if blocks.qtype == Q.Q5_K:
-        return unpack_q5_k(b)
-    if blocks.qtype in (Q.Q5_0, Q.Q5_1):
-        d, at = b[..., 0:2].contiguous().view(torch.float16)[..., 0], 2
-        if blocks.qtype == Q.Q5_1:
-            m, at = b[..., 2:4].contiguous().view(torch.float16)[..., 0], 4
-        else:
-            m = d * -16
-            if not m.isfinite().all():  # |d| >= 2^12: -16 d is exact in float32 only
-                d, m = d.float(), d.float() * -16
-        qs = b[..., at + 4 :]
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1) | fifth_bits(b[..., at : at + 4])
-        return q.reshape(b.shape[0], -1), d, m
-    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
-    if blocks.qtype == Q.Q4_1:
-        m = b[..., 2:4].contiguous().view(torch.float16)[..., 0]
-        qs = b[..., 4:]
-    else:
-        m = d * -8
-        qs = b[..., 2:]
-    # Byte j of a block holds weight j (low nibble) and weight j + 16 (high nibble).
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(b.shape[0], -1)
-    return q, d, m
+    """The blocks' q uint8 [N, K] (block_bits: 0..15, or 0..31 for Q5) with their d and m
+    (`scales`): w = q * d + m."""
+    return block_bits.bits([blocks]), *scales(blocks)
 
 
 class Int4Weight(CompactWeight):
@@ -163,32 +131,41 @@ class Int4Weight(CompactWeight):
         builds and `ours`, taking `activations` float32, or rounded per block of 32 to "int16"
         (q4a16) or "int8" (q4a8); else torch's, with activations and scales in `dtype` (bf16
         is its fast one; float32 is exact but takes a scalar path)."""
-        parts = [unpack(b) for b in blocks]
-        # fp16 d and m where every part has them; float32 (exactly the same values) with the
-        # K-quants, or where fp16 overflowed (Q5_0's -16 d)
-        q, d, m = (torch.cat(p) for p in zip(*parts, strict=True))
-        self.shape = tuple(q.shape)
+        self.shape = block_bits.shape(blocks)
         self.dtype = dtype
-        self.kernel = cpu_kernels.load() if ours and q.shape[0] % cpu_kernels.TILE == 0 else None
+        tiled = self.shape[0] % cpu_kernels.TILE == 0
+        self.kernel = cpu_kernels.load() if ours and tiled else None
         self.activations = activations if self.kernel is not None else "float"
         if self.kernel is not None:
             five = any(b.qtype in Q5_QTYPES for b in blocks)
-            # Q4_0's m = -8 d and Q5_0's -16 d are the kernels' to derive: d alone is read
-            derived = all(b.qtype == (Q.Q5_0 if five else Q.Q4_0) for b in blocks)
-            pack = cpu_kernels.pack_q5 if five else cpu_kernels.pack_q4
-            self.qs, self.dm = pack(q, d, None if derived else m)
+            # pack_q4's or pack_q5's qs, in one pass over the blocks
+            self.qs = self.kernel.pack_blocks(*block_bits.kernel_args(blocks), 1 if five else 0)
             if self.activations != "float" and all(b.qtype in K_QTYPES for b in blocks):
                 # The K-quants' scales as stored: 20 bytes an output and 256 weights where
                 # float32 d and m take 64 (the float32 kernels read only those).
                 raw = zip(*(k_scales(b.data) for b in blocks), strict=True)
                 self.dm = cpu_kernels.pack_k_scales(*(torch.cat(p) for p in raw))
+            else:
+                d, m = self._scales(blocks)
+                # Q4_0's m = -8 d and Q5_0's -16 d are the kernels' to derive: d alone is read
+                derived = all(b.qtype == (Q.Q5_0 if five else Q.Q4_0) for b in blocks)
+                self.dm = cpu_kernels.pack_scales(d, None if derived else m)
         else:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            d, m = self._scales(blocks)
+            q = block_bits.bits(blocks).to(torch.int32)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             # [K / 32, N, 2]: the kernel's layout; w = (q - 8) * d + (m + 8 d).
             zero = m.float() + 8 * d.float()
             self.scales_and_zeros = torch.stack([d.T, zero.T], dim=-1).to(dtype).contiguous()
         if self.activations == "float":  # past 48 rows (16 on torch's kernel) sgemm wins
             self.w = dequantized(blocks)
+
+    @staticmethod
+    def _scales(blocks: list[RawBlocks]) -> tuple[Tensor, Tensor]:
+        """The parts' d and m: fp16 where every part has them, float32 (exactly the same
+        values) with the K-quants, or where fp16 overflowed (Q5_0's -16 d)."""
+        d, m = (torch.cat(p) for p in zip(*(scales(b) for b in blocks), strict=True))
+        return d, m
 
     @property
     def kind(self) -> str:

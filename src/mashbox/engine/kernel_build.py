@@ -37,6 +37,7 @@ COMPILED = [
         "rounded_gemm.cpp",
         "prefill_attention.cpp",
         "decode_layers.cpp",
+        "block_repack.cpp",
     )
 ]
 # What a build's record stands for: the code, and the packers and self-check that judged it.

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from torch import Tensor
 
-from . import cpu_kernels
+from . import block_bits, cpu_kernels
 from .compact_weight import CompactWeight
 from .int4 import Q4_MAX_ROWS
 from .weights import RawBlocks
@@ -27,26 +27,31 @@ def fits_q6(blocks: list[RawBlocks | None]) -> bool:
     return rows % cpu_kernels.TILE == 0 and cpu_kernels.load() is not None
 
 
-def unpack_q6_k(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Q6_K blocks uint8 [N, K / 256, 210] (ql[128], qh[64], int8 scales[16], fp16 d) as q
-    uint8 [N, K] in 0..63, int8 sc [N, K / 16] and fp16 d [N, K / 256]: w = d * sc * (q - 32).
-    Weight 128h + 64s + j (j < 64) has low nibble s of ql[64h + j]; weight 128h + 32s + j
-    (j < 32) has bits 2s, 2s + 1 of qh[32h + j] as its top two."""
+def q6_k_scales(b: Tensor) -> tuple[Tensor, Tensor]:
+    """Q6_K blocks uint8 [N, K / 256, 210] (ql[128], qh[64], int8 scales[16], fp16 d): their
+    int8 sc [N, K / 16] and fp16 d [N, K / 256]."""
     n = b.shape[0]
-    ql = b[..., :128].reshape(n, -1, 2, 1, 64)
-    low = torch.cat([ql & 0x0F, ql >> 4], dim=-2).reshape(n, -1, 256)
-    qh = b[..., 128:192].reshape(n, -1, 2, 1, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
-    high = ((qh >> shifts) & 3).reshape(n, -1, 256)
     sc = b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)
     d = b[..., 208:210].contiguous().view(torch.float16).reshape(n, -1)
-    return (low | (high << 4)).reshape(n, -1), sc, d
+    return sc, d
+
+
+def unpack_q6_k(blocks: RawBlocks) -> tuple[Tensor, Tensor, Tensor]:
+    """Q6_K blocks as q uint8 [N, K] in 0..63 (block_bits), int8 sc [N, K / 16] and fp16 d
+    [N, K / 256]: w = d * sc * (q - 32)."""
+    return block_bits.bits([blocks]), *q6_k_scales(blocks.data)
 
 
 def q6_k_as_int8(q: Tensor, sc: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
-    """unpack_q6_k's q, sc and d as int8 q - 32 [N, K] and float32 d * sc [N, K / 16], exact
-    (an fp16 times an int8 has at most 19 significant bits): Q8Weight's groups of 16."""
-    return q.to(torch.int8) - 32, d.float().repeat_interleave(16, 1) * sc.float()
+    """unpack_q6_k's q, sc and d as int8 q - 32 [N, K] and float32 d * sc [N, K / 16]
+    (`group_scales`): Q8Weight's groups of 16."""
+    return q.to(torch.int8) - 32, group_scales(sc, d)
+
+
+def group_scales(sc: Tensor, d: Tensor) -> Tensor:
+    """Q6_K's d * sc per 16 weights, float32 [N, K / 16], exact (an fp16 times an int8 has at
+    most 19 significant bits)."""
+    return d.float().repeat_interleave(16, 1) * sc.float()
 
 
 class Q6Weight(CompactWeight):
@@ -64,11 +69,15 @@ class Q6Weight(CompactWeight):
     DECODE_ROWS = 4
 
     def __init__(self, blocks: list[RawBlocks]):
-        q, sc, d = (torch.cat(p) for p in zip(*(unpack_q6_k(b.data) for b in blocks), strict=True))
-        self.shape = tuple(q.shape)
+        sc, d = (torch.cat(p) for p in zip(*(q6_k_scales(b.data) for b in blocks), strict=True))
+        self.shape = block_bits.shape(blocks)
         self.kernel = cpu_kernels.load()
-        self.qs, self.scales = cpu_kernels.pack_q6(q, sc, d)
-        self.qs8, self.d8 = cpu_kernels.pack_q8(*q6_k_as_int8(q, sc, d))  # the blocks unpacked once
+        parts = block_bits.kernel_args(blocks)
+        self.qs = self.kernel.pack_blocks(*parts, 2)  # pack_q6's
+        self.scales = cpu_kernels.pack_q6_scales(sc, d)
+        # pack_q8's of q6_k_as_int8's
+        self.qs8 = self.kernel.pack_blocks_q8(*parts, 32)
+        self.d8 = cpu_kernels.pack_q8_scales(group_scales(sc, d))
 
     def multiply(self, x: Tensor) -> Tensor:
         x32 = x.float().contiguous()

@@ -40,7 +40,7 @@ def int8_blocks(blocks: RawBlocks) -> tuple[Tensor, Tensor]:
     float32 d [N, K / 16] (Q6_K): w = q * d."""
     b = blocks.data
     if blocks.qtype == Q.Q6_K:
-        return q6_k_as_int8(*unpack_q6_k(b))
+        return q6_k_as_int8(*unpack_q6_k(blocks))
     if blocks.qtype == Q.Q8_0:
         d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
         return b[..., 2:].contiguous().view(torch.int8).reshape(b.shape[0], -1), d
