@@ -74,7 +74,9 @@ class _Cursor:
 def _header(path: Path, arrays: Collection[str]) -> tuple[np.memmap, _Cursor, int, dict]:
     """The file mapped, a cursor after its metadata, its tensor count, and the metadata:
     scalars, strings, and the arrays whose keys are in `arrays` (the rest skipped)."""
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    # Copy-on-write: tensors can alias the mapped bytes (weights.load_gguf's blocks), and a
+    # write to them changes a private page, never the file nor a read-only page's fault.
+    raw = np.memmap(path, dtype=np.uint8, mode="c")
     cur = _Cursor(memoryview(raw))
     if bytes(raw[:4]) != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file")

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TypeVar
 
 import attrs
-import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -78,8 +77,8 @@ class LoadedWeights:
     n_params: int
 
     # The file's own blocks of the matrices whose type was in `keep_blocks` (GGUF only), in
-    # the same row order as `tensors`, copied off the file when read: the int4 decode path
-    # loads Q4_0/Q4_1/Q4_K exactly from them.
+    # the same row order as `tensors`, the mapped file's bytes when read: the int4 decode
+    # path loads Q4_0/Q4_1/Q4_K exactly from them.
     blocks: Mapping[str, RawBlocks] = attrs.field(factory=dict)
 
     @property
@@ -109,7 +108,7 @@ def permute_rope_rows(w, n_heads: int):
 
 def load_gguf(path: Path, keep_blocks: Collection[GGMLQuantizationType] = ()) -> LoadedWeights:
     """A GGUF file's tensors, each dequantized to float32 when read, and the raw blocks of the
-    matrices whose type is in `keep_blocks`, each copied off the file when read."""
+    matrices whose type is in `keep_blocks`, the mapped file's bytes."""
     fields, infos = gguf_file.read(path)
     names = {t.name for t in infos}
     config = from_gguf_fields(
@@ -133,8 +132,9 @@ def load_gguf(path: Path, keep_blocks: Collection[GGMLQuantizationType] = ()) ->
         return in_hf_order(t.name, dequantize(t.data, t.qtype, t.shape))
 
     def blocks(t: gguf_file.TensorInfo) -> RawBlocks:
-        data = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # a copy off the mmap
-        data = data.reshape(t.shape[0], -1, GGML_QUANT_SIZES[t.qtype][1])
+        # The mapped bytes themselves: the decode weights read them once, into their own
+        # layouts, and keep nothing of them.
+        data = torch.from_numpy(t.data).reshape(t.shape[0], -1, GGML_QUANT_SIZES[t.qtype][1])
         # Blocks run along a row: permuting rows moves whole blocks.
         return RawBlocks(t.qtype, in_hf_order(t.name, data))
 
