@@ -91,25 +91,30 @@ def main() -> None:
     times: dict[str, list[float]] = {"llama-server": [], "mashbox": []}
     held = 0.0
     for r in range(args.rounds):
-        port = free_port()
-        llama = [
-            str(args.llama_server), "-m", str(path), "-c", str(args.ctx * args.slots),
-            "-np", str(args.slots), "-t", str(args.threads), "--host", "127.0.0.1",
-            "--port", str(port),
-        ]  # fmt: skip
-        seconds, _ = time_to_health(llama, port, logs / "load_time_llama.log")
-        times["llama-server"].append(seconds)
-        port = free_port()
-        mashbox = [
-            sys.executable, "-m", "mashbox.cli", "run", str(path), "--port", str(port),
-            "--slots", str(args.slots), "--ctx", str(args.ctx), "--threads", str(args.threads),
-        ]  # fmt: skip
-        seconds, card = time_to_health(mashbox, port, logs / "load_time_mashbox.log")
-        times["mashbox"].append(seconds)
-        held = card["gb"]
+        # Taking turns, each first in every other round: on this VM a process that maps and
+        # writes gigabytes just after another freed them ran ~1.5x as long (stop 50).
+        order = ["llama-server", "mashbox"] if r % 2 == 0 else ["mashbox", "llama-server"]
+        for name in order:
+            port = free_port()
+            if name == "llama-server":
+                cmd = [
+                    str(args.llama_server), "-m", str(path), "-c", str(args.ctx * args.slots),
+                    "-np", str(args.slots), "-t", str(args.threads), "--host", "127.0.0.1",
+                    "--port", str(port),
+                ]  # fmt: skip
+            else:
+                cmd = [
+                    sys.executable, "-m", "mashbox.cli", "run", str(path), "--port", str(port),
+                    "--slots", str(args.slots), "--ctx", str(args.ctx),
+                    "--threads", str(args.threads),
+                ]  # fmt: skip
+            seconds, card = time_to_health(cmd, port, logs / f"load_time_{name}.log")
+            times[name].append(seconds)
+            if name == "mashbox":
+                held = card["gb"]
         print(
-            f"round {r + 1}: llama-server {times['llama-server'][-1]:.2f} s, "
-            f"mashbox {seconds:.2f} s",
+            f"round {r + 1} ({order[0]} first): llama-server {times['llama-server'][-1]:.2f} s, "
+            f"mashbox {times['mashbox'][-1]:.2f} s",
             flush=True,
         )
     llama_s, mash_s = (statistics.median(times[k]) for k in ("llama-server", "mashbox"))
