@@ -31,6 +31,9 @@ class TensorInfo:
     data: np.ndarray  # raw bytes/values, memory-mapped
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     def __init__(self, buf: memoryview):
         self.buf, self.pos = buf, 0
@@ -46,12 +49,24 @@ class _Cursor:
         self.pos += n
         return text
 
+    def strings(self, count: int, keep: bool = True) -> list[str]:
+        """`count` strings in a row (a vocabulary's 150k: one tight loop, not a call each),
+        or skipped past where not `keep`."""
+        buf, pos, out = self.buf, self.pos, []
+        length = _U64.unpack_from
+        for _ in range(count):
+            (n,) = length(buf, pos)
+            pos += 8
+            if keep:
+                out.append(str(buf[pos : pos + n], "utf-8", "replace"))
+            pos += n
+        self.pos = pos
+        return out
+
     def skip_array(self) -> None:
         kind, count = self.take("I"), self.take("Q")
         if kind == _STRING:
-            for _ in range(count):
-                n = self.take("Q")  # (not `self.pos += self.take(...)`: take moves pos)
-                self.pos += n
+            self.strings(count, keep=False)
         elif kind == _ARRAY:
             for _ in range(count):
                 self.skip_array()
@@ -62,7 +77,7 @@ class _Cursor:
         """An array's values as a list (as gguf's `ReaderField.contents()` gives them)."""
         kind, count = self.take("I"), self.take("Q")
         if kind == _STRING:
-            return [self.string() for _ in range(count)]
+            return self.strings(count)
         if kind == _ARRAY:
             return [self.array() for _ in range(count)]
         dtype = np.dtype("<" + _SCALARS[kind])
