@@ -18,6 +18,7 @@ from mashbox.engine.decode_weight import SplitWeight, decode_weight_for
 from mashbox.engine.dequant import dequantize
 from mashbox.engine.engine import Engine
 from mashbox.engine.int4 import Int4Weight, unpack
+from mashbox.engine.model import tensors_in
 from mashbox.engine.q6_weight import Q6Weight, unpack_q6_k
 from mashbox.engine.q8_weight import Q8Weight, int8_blocks
 from mashbox.engine.weights import RawBlocks
@@ -169,6 +170,20 @@ def test_q6a16_gives_q8a16s_bits_at_every_row_count():
         assert torch.equal(six, eight), rows
         if rows in (1, weight.DECODE_ROWS, weight.DECODE_ROWS + 1, 64):
             assert torch.equal(weight(x[:rows]), six), rows
+
+
+def test_the_output_head_keeps_no_int8_copy_and_gives_the_same_bits():
+    """A head (prefill_rows False) reads its six bits at every row count: the bits of the
+    weight that keeps both forms, in the file's bytes alone."""
+    raw = random_blocks(Q.Q6_K, 96, 768, seed=15)
+    both = decode_weight_for([blocks_of(Q.Q6_K, raw)], "int4a16", None)
+    head = decode_weight_for([blocks_of(Q.Q6_K, raw)], "int4a16", None, prefill_rows=False)
+    assert isinstance(head, Q6Weight) and head.qs8 is None and head.d8 is None
+    assert sum(t.nbytes for t in tensors_in(head)) == 96 * 3 * 210  # the file's bytes
+    assert sum(t.nbytes for t in tensors_in(both)) == 96 * 768 * 1.25 + 96 * 3 * 210
+    x = torch.randn(300, 768, generator=torch.Generator().manual_seed(16))
+    for rows in (1, head.DECODE_ROWS + 1, 64, 256, 300):
+        assert torch.equal(head(x[:rows]), both(x[:rows])), rows
 
 
 def test_without_mashbox_kernels_q5_and_q6_k_stay_int8(monkeypatch):

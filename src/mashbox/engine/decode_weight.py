@@ -44,31 +44,37 @@ class DecodeWeight(Protocol):
 
 
 def decode_weight_for(
-    blocks: list[RawBlocks | None], kind: str, float_matrix: Callable[[], Tensor]
+    blocks: list[RawBlocks | None],
+    kind: str,
+    float_matrix: Callable[[], Tensor],
+    prefill_rows: bool = True,
 ) -> DecodeWeight:
     """int4: the file's own 4-bit (or, on mashbox's kernels, Q8_0) blocks where every part
     has them, int8 otherwise; int4a16 / int4a8: the same, the 4-bit blocks taking int16 /
     int8 activations and the Q6_K and Q8 blocks int16 ones. Parts that no one kind holds
     together but each some kind holds alone keep their own (`SplitWeight`). `float_matrix()`
     makes the float matrix, called only where the int8 form is chosen (it is quantized from
-    it)."""
-    whole = block_weight(blocks, kind)
+    it). `prefill_rows`: whether prefill chunks multiply by the whole matrix (not the output
+    head): Q6_K keeps a faster form for them."""
+    whole = block_weight(blocks, kind, prefill_rows)
     if whole is not None:
         return whole
     if len(blocks) > 1:
-        parts = [block_weight([b], kind) for b in blocks]
+        parts = [block_weight([b], kind, prefill_rows) for b in blocks]
         if all(p is not None for p in parts):
             return SplitWeight(parts)
     return Int8Weight(float_matrix())
 
 
-def block_weight(blocks: list[RawBlocks | None], kind: str) -> DecodeWeight | None:
+def block_weight(
+    blocks: list[RawBlocks | None], kind: str, prefill_rows: bool = True
+) -> DecodeWeight | None:
     """The decode weight of `kind` that reads these parts' blocks as stored, if one can."""
     activations = int4.BLOCK_KINDS.get(kind)
     if activations and int4.fits(blocks):
         return int4.Int4Weight(blocks, activations=activations)
     if activations in ("int16", "int8") and fits_q6(blocks):
-        return Q6Weight(blocks)
+        return Q6Weight(blocks, prefill_rows)
     if activations and fits_q8(blocks):
         return Q8Weight(blocks, activations="float" if activations == "float" else "int16")
     return None

@@ -227,7 +227,9 @@ class Model:
         self.embedding = Embedding.of(embed_blocks, lambda: t("token_embd.weight"))
         head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
         if decode_weights != "float":
-            self.lm_head = decode_weight_for([blocks.get(head)], decode_weights, lambda: t(head))
+            self.lm_head = decode_weight_for(
+                [blocks.get(head)], decode_weights, lambda: t(head), prefill_rows=False
+            )
         elif cfg.tied_embeddings:
             self.lm_head = self.embedding.table
         else:

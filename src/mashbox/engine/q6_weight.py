@@ -57,7 +57,9 @@ def group_scales(sc: Tensor, d: Tensor) -> Tensor:
 class Q6Weight(CompactWeight):
     """A matrix kept twice: int8 q - 32 in groups of 16 (pack_q8, as Q8Weight) for prefill
     chunks, and the file's Q6_K blocks (pack_q6) for decode steps (up to `DECODE_ROWS` rows):
-    the same bits from both."""
+    the same bits from both. The int8 copy is left out where calls of many rows are rare
+    (`prefill_rows` False: the output head, whose prefill rows are a chunk's last ones):
+    they then read the six bits too."""
 
     kind = "q6_k"
     activation_bits = 16
@@ -68,20 +70,21 @@ class Q6Weight(CompactWeight):
     # rows (DecodeStack) always take them.
     DECODE_ROWS = 4
 
-    def __init__(self, blocks: list[RawBlocks]):
+    def __init__(self, blocks: list[RawBlocks], prefill_rows: bool = True):
         sc, d = (torch.cat(p) for p in zip(*(q6_k_scales(b.data) for b in blocks), strict=True))
         self.shape = block_bits.shape(blocks)
         self.kernel = cpu_kernels.load()
         parts = block_bits.kernel_args(blocks)
         self.qs = self.kernel.pack_blocks(*parts, 2)  # pack_q6's
         self.scales = cpu_kernels.pack_q6_scales(sc, d)
-        # pack_q8's of q6_k_as_int8's
-        self.qs8 = self.kernel.pack_blocks_q8(*parts, 32)
-        self.d8 = cpu_kernels.pack_q8_scales(group_scales(sc, d))
+        self.qs8 = self.d8 = None
+        if prefill_rows:  # pack_q8's of q6_k_as_int8's
+            self.qs8 = self.kernel.pack_blocks_q8(*parts, 32)
+            self.d8 = cpu_kernels.pack_q8_scales(group_scales(sc, d))
 
     def multiply(self, x: Tensor) -> Tensor:
         x32 = x.float().contiguous()
-        if x.shape[0] > self.DECODE_ROWS:
+        if x.shape[0] > self.DECODE_ROWS and self.qs8 is not None:
             return self.kernel.q8a16_linear(x32, self.qs8, self.d8)
         return self.kernel.q6a16_linear(x32, self.qs, self.scales)
 
