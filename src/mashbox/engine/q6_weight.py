@@ -3,7 +3,8 @@ weights and fp16 d per 256, 0.82 bytes a weight where q8_weight.py's int8 q - 32
 d * sc per 16 read 1.25 (qwen2.5-coder-0.5b's Q6_K ffn_down: 65 MB a step that are 43 here).
 The activations are rounded to int16 per block of 32, and the kernel (rounded_gemm.cpp,
 q6a16) gives the same bits as Q8Weight's over the same matrix. Prefill chunks take Q8Weight's
-form (kept too): unpacking six bits costs more than reading them once the rows are many.
+form (kept too, but for the output head): unpacking six bits costs more than reading them
+once the rows are many.
 Calls of more rows than a chunk take them in pieces (compact_weight.py): no float matrix.
 """
 
