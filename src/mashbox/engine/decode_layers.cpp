@@ -538,7 +538,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4a8_linear", &q4a8_linear, "q4_linear with x rounded to int8 per block of 32");
   m.def("q4a16_linear", &q4a16_linear, "q4_linear with x rounded to int16 per block of 32");
   m.def("block_bits", &block_bits,
-        "q uint8 [N, K] of a matrix's GGUF parts' blocks (int4.bits), stacked along N");
+        "q uint8 [N, K] of a matrix's GGUF parts' blocks (block_bits.torch_bits), stacked");
   m.def("pack_blocks", &pack_blocks,
         "those weights as pack_q4 (0 bit planes), pack_q5 (1) or pack_q6 (2) lay out qs");
   m.def("pack_blocks_q8", &pack_blocks_q8,
