@@ -1,7 +1,8 @@
 """The load's one pass over a matrix's blocks (block_repack.cpp) against its torch definition:
 block_bits against block_bits.torch_bits for every block type, one part or several of mixed
-types, and pack_blocks / pack_blocks_q8 against cpu_kernels' packers. The decode weights built
-from them are checked against the file's own weights in test_kquant.py and test_q5_q6.py."""
+types, pack_blocks / pack_blocks_q8 against cpu_kernels' packers, and the K-quants' scale
+packers against theirs (cpu_kernels.torch_block_scales). The decode weights built from them
+are checked against the file's own weights in test_kquant.py and test_q5_q6.py."""
 
 from __future__ import annotations
 
@@ -92,3 +93,38 @@ def test_bad_shapes_are_refused_not_read_past():
         kernel.pack_blocks(*kernel_args([random_blocks(Q.Q4_K, 33, 256, 9)]), 0)
     with pytest.raises(RuntimeError, match="bit planes"):
         kernel.pack_blocks([blocks.data], [int(Q.Q4_K)], 3)
+    with pytest.raises(RuntimeError, match="no such scales for GGML type 12"):
+        kernel.blocks_q6_scales([blocks.data], [int(Q.Q4_K)])
+    with pytest.raises(RuntimeError, match="no such scales for GGML type 14"):
+        kernel.blocks_k_scales(*kernel_args([random_blocks(Q.Q6_K, 32, 256, 10)]))
+
+
+SCALE_QTYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+@pytest.mark.parametrize("qtype", SCALE_QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize(("n", "k"), [(32, 256), (96, 768), (160, 4352)])
+def test_scales_are_the_torch_packing(qtype, n, k):
+    """blocks_k_scales: pack_k_scales of k_scales'; blocks_q6_scales and
+    blocks_q6_group_scales: pack_q6_scales' and pack_q8_scales' of q6_k_scales' sc and d.
+    Random bytes: every d is some fp16, NaN and infinity among them, compared as bits."""
+    blocks = random_blocks(qtype, n, k, seed=3 * n + k)
+    want = cpu_kernels.torch_block_scales(blocks)
+    assert len(want) == (2 if qtype == Q.Q6_K else 1)
+    for name, packed in want.items():
+        got = getattr(kernel, name)(*kernel_args([blocks]))
+        assert got.is_contiguous()
+        assert torch.equal(got.view(torch.uint8), packed), name
+
+
+def test_scales_of_parts_stack_along_the_outputs():
+    """A Q4_K_M layer's K-quant parts, Q4_K beside Q5_K, a tile across both: their scales as
+    those of the one matrix they make."""
+    parts = [random_blocks(Q.Q4_K, 48, 512, seed=11), random_blocks(Q.Q5_K, 48, 512, seed=12)]
+    whole = RawBlocks(Q.Q4_K, torch.cat([p.data[..., :144] for p in parts]))
+    want = cpu_kernels.torch_block_scales(whole)["blocks_k_scales"]  # the scales' bytes agree
+    assert torch.equal(kernel.blocks_k_scales(*kernel_args(parts)), want)
+    q6 = [random_blocks(Q.Q6_K, 32, 512, seed=13), random_blocks(Q.Q6_K, 64, 512, seed=14)]
+    want = cpu_kernels.torch_block_scales(RawBlocks(Q.Q6_K, torch.cat([p.data for p in q6])))
+    for name, packed in want.items():
+        assert torch.equal(getattr(kernel, name)(*kernel_args(q6)).view(torch.uint8), packed)

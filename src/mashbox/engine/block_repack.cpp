@@ -109,17 +109,41 @@ class Matrix {
   int64_t rows() const { return first_row_.back(); }
   int64_t k() const { return k_; }
 
-  // Row r's K integer weights into out.
-  void row(int64_t r, uint8_t* out) const {
+  // Row r's blocks, of GGML type *qtype.
+  const uint8_t* row_blocks(int64_t r, int64_t* qtype) const {
     const size_t part = std::upper_bound(first_row_.begin(), first_row_.end(), r) -
                         first_row_.begin() - 1;
-    const int64_t qtype = qtypes_[part];
+    *qtype = qtypes_[part];
+    const int64_t row_bytes = k_ / block_weights(*qtype) * block_bytes(*qtype);
+    return parts_[part].data_ptr<uint8_t>() + (r - first_row_[part]) * row_bytes;
+  }
+
+  // Row r's K integer weights into out.
+  void row(int64_t r, uint8_t* out) const {
+    int64_t qtype;
+    const uint8_t* blocks = row_blocks(r, &qtype);
     const int64_t bytes = block_bytes(qtype), weights = block_weights(qtype);
-    const uint8_t* blocks =
-        parts_[part].data_ptr<uint8_t>() + (r - first_row_[part]) * (k_ / weights) * bytes;
     for (int64_t b = 0; b < k_ / weights; ++b) {
       block_bits(qtype, blocks + b * bytes, out + b * weights);
     }
+  }
+
+  // f(r, s, block) for each row r's super-block s of 256 weights (K-quant parts of the types
+  // `allowed` only), on torch's threads.
+  template <typename F>
+  void super_blocks(std::initializer_list<int64_t> allowed, const F& f) const {
+    TORCH_CHECK(rows() % TILE_LANES == 0, "N a multiple of 32, not ", rows());
+    for (int64_t qtype : qtypes_) {
+      TORCH_CHECK(std::find(allowed.begin(), allowed.end(), qtype) != allowed.end(),
+                  "no such scales for GGML type ", qtype);
+    }
+    at::parallel_for(0, rows(), TILE_LANES, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        int64_t qtype;
+        const uint8_t* blocks = row_blocks(r, &qtype);
+        for (int64_t s = 0; s < k_ / 256; ++s) f(r, s, blocks + s * block_bytes(qtype));
+      }
+    });
   }
 
   // f(t, q) for each tile t of 32 outputs, q its rows' weights [32, K], on torch's threads.
@@ -166,6 +190,12 @@ void pack_tile_bits(const uint8_t* q, int64_t k, int64_t planes, uint8_t* out) {
       }
     }
   }
+}
+
+uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
 }
 
 }  // namespace
@@ -218,4 +248,66 @@ torch::Tensor pack_blocks_q8(const std::vector<torch::Tensor>& parts,
     }
   });
   return qs;
+}
+
+// The Q4_K / Q5_K parts' scales as stored, laid out as cpu_kernels.pack_k_scales lays out
+// int4.k_scales': uint8 [N / 32, K / 256, 640], per tile and super-block sc [8][32],
+// mn [8][32], fp16 d [32] and -dmin [32]. Sub-block j's six-bit scale and min: bytes 4-7
+// (scales) and 8-11 (mins) hold sub-blocks 0-3's in their low six bits and 4-7's top two
+// bits; the nibbles of bytes 12-15 hold 4-7's low four (scale low, min high).
+torch::Tensor blocks_k_scales(const std::vector<torch::Tensor>& parts,
+                              const std::vector<int64_t>& qtypes) {
+  const Matrix m(parts, qtypes);
+  const int64_t supers = m.k() / 256;
+  auto out = torch::empty({m.rows() / TILE_LANES, supers, 20 * TILE_LANES}, torch::kUInt8);
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  m.super_blocks({Q4_K, Q5_K}, [&](int64_t r, int64_t s, const uint8_t* b) {
+    const int o = r % TILE_LANES;
+    uint8_t* at = dst + (r / TILE_LANES * supers + s) * 20 * TILE_LANES;
+    const uint8_t* packed = b + 4;
+    for (int j = 0; j < 4; ++j) {
+      at[j * TILE_LANES + o] = packed[j] & 0x3F;
+      at[(8 + j) * TILE_LANES + o] = packed[j + 4] & 0x3F;
+      const uint8_t mixed = packed[j + 8];
+      at[(4 + j) * TILE_LANES + o] = (mixed & 0x0F) | ((packed[j] >> 2) & 0x30);
+      at[(12 + j) * TILE_LANES + o] = (mixed >> 4) | ((packed[j + 4] >> 2) & 0x30);
+    }
+    const uint16_t d = load_u16(b), minus_dmin = load_u16(b + 2) ^ 0x8000;  // fp16's sign
+    std::memcpy(at + 16 * TILE_LANES + 2 * o, &d, 2);
+    std::memcpy(at + 18 * TILE_LANES + 2 * o, &minus_dmin, 2);
+  });
+  return out;
+}
+
+// The Q6_K parts' scales as cpu_kernels.pack_q6_scales lays out q6_weight.q6_k_scales':
+// uint8 [N / 32, K / 256, 576], per tile and super-block int8 sc [16][32], then fp16 d [32].
+torch::Tensor blocks_q6_scales(const std::vector<torch::Tensor>& parts,
+                               const std::vector<int64_t>& qtypes) {
+  const Matrix m(parts, qtypes);
+  const int64_t supers = m.k() / 256;
+  auto out = torch::empty({m.rows() / TILE_LANES, supers, 18 * TILE_LANES}, torch::kUInt8);
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  m.super_blocks({Q6_K}, [&](int64_t r, int64_t s, const uint8_t* b) {
+    const int o = r % TILE_LANES;
+    uint8_t* at = dst + (r / TILE_LANES * supers + s) * 18 * TILE_LANES;
+    for (int j = 0; j < 16; ++j) at[j * TILE_LANES + o] = b[192 + j];
+    std::memcpy(at + 16 * TILE_LANES + 2 * o, b + 208, 2);
+  });
+  return out;
+}
+
+// The Q6_K parts' d * sc per 16 weights (q6_weight.group_scales, exact in float32) as
+// cpu_kernels.pack_q8_scales lays them out: float32 [N / 32, K / 16, 32].
+torch::Tensor blocks_q6_group_scales(const std::vector<torch::Tensor>& parts,
+                                     const std::vector<int64_t>& qtypes) {
+  const Matrix m(parts, qtypes);
+  const int64_t groups = m.k() / 16;
+  auto out = torch::empty({m.rows() / TILE_LANES, groups, TILE_LANES}, torch::kFloat);
+  float* dst = out.data_ptr<float>();
+  m.super_blocks({Q6_K}, [&](int64_t r, int64_t s, const uint8_t* b) {
+    const float d = static_cast<float>(c10::Half(load_u16(b + 208), c10::Half::from_bits()));
+    float* at = dst + (r / TILE_LANES * groups + 16 * s) * TILE_LANES + r % TILE_LANES;
+    for (int j = 0; j < 16; ++j) at[j * TILE_LANES] = d * static_cast<int8_t>(b[192 + j]);
+  });
+  return out;
 }

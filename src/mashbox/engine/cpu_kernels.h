@@ -474,5 +474,11 @@ torch::Tensor pack_blocks(const std::vector<torch::Tensor>& parts,
                           const std::vector<int64_t>& qtypes, int64_t planes);
 torch::Tensor pack_blocks_q8(const std::vector<torch::Tensor>& parts,
                              const std::vector<int64_t>& qtypes, int64_t offset);
+torch::Tensor blocks_k_scales(const std::vector<torch::Tensor>& parts,
+                              const std::vector<int64_t>& qtypes);
+torch::Tensor blocks_q6_scales(const std::vector<torch::Tensor>& parts,
+                               const std::vector<int64_t>& qtypes);
+torch::Tensor blocks_q6_group_scales(const std::vector<torch::Tensor>& parts,
+                                     const std::vector<int64_t>& qtypes);
 // Causal attention of a prefill chunk over one slot's cache (prefill_attention.cpp).
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start);

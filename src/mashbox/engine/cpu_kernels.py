@@ -30,12 +30,16 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
 from . import kernel_build
 from .kernel_build import Target
+
+if TYPE_CHECKING:
+    from .weights import RawBlocks
 
 log = logging.getLogger("mashbox")
 
@@ -226,7 +230,29 @@ def _check_repack(module, g: torch.Generator) -> str | None:
         int8 = pack_q8(q.to(torch.int8) - 32, torch.ones(len(q), 16))[0]
         if not torch.equal(module.pack_blocks_q8(*parts, 32), int8):
             return f"self-check: pack_blocks_q8 is wrong for {qtype.name}"
+        for name, packed in torch_block_scales(RawBlocks(qtype, raw)).items():
+            if not torch.equal(getattr(module, name)(*parts).view(torch.uint8), packed):
+                return f"self-check: {name} is wrong for {qtype.name}"
     return None
+
+
+def torch_block_scales(blocks: RawBlocks) -> dict[str, torch.Tensor]:
+    """What each of the kernels' scale packers (block_repack.cpp) makes of K-quant blocks,
+    by its torch definition, as bytes: none for the other block types."""
+    from gguf import GGMLQuantizationType as Q
+
+    from .int4 import K_QTYPES, k_scales
+    from .q6_weight import group_scales, q6_k_scales
+
+    if blocks.qtype in K_QTYPES:
+        return {"blocks_k_scales": pack_k_scales(*k_scales(blocks.data))}
+    if blocks.qtype == Q.Q6_K:
+        sc, d = q6_k_scales(blocks.data)
+        return {
+            "blocks_q6_scales": pack_q6_scales(sc, d),
+            "blocks_q6_group_scales": pack_q8_scales(group_scales(sc, d)).view(torch.uint8),
+        }
+    return {}
 
 
 def _check_attention(module, g: torch.Generator) -> str | None:

@@ -543,6 +543,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "those weights as pack_q4 (0 bit planes), pack_q5 (1) or pack_q6 (2) lay out qs");
   m.def("pack_blocks_q8", &pack_blocks_q8,
         "those weights less an offset as pack_q8 lays out its int8 qs");
+  m.def("blocks_k_scales", &blocks_k_scales,
+        "the K-quant parts' scales as pack_k_scales lays out int4.k_scales'");
+  m.def("blocks_q6_scales", &blocks_q6_scales,
+        "the Q6_K parts' scales as pack_q6_scales lays out q6_weight.q6_k_scales'");
+  m.def("blocks_q6_group_scales", &blocks_q6_group_scales,
+        "the Q6_K parts' d * sc as pack_q8_scales lays out q6_weight.group_scales'");
   m.def("rows_rms_norm", &rows_rms_norm, "each row's RMSNorm, as a decode step's");
   m.def("rows_silu_mul", &rows_silu_mul, "silu(gate) * up of rows [gate | up], as a decode step's");
   m.def("rows_rope", &rows_rope, "rotate-half RoPE of rows [rows, heads, hd], as a decode step's");

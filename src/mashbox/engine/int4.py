@@ -138,13 +138,14 @@ class Int4Weight(CompactWeight):
         self.activations = activations if self.kernel is not None else "float"
         if self.kernel is not None:
             five = any(b.qtype in Q5_QTYPES for b in blocks)
+            parts = block_bits.kernel_args(blocks)
             # pack_q4's or pack_q5's qs, in one pass over the blocks
-            self.qs = self.kernel.pack_blocks(*block_bits.kernel_args(blocks), 1 if five else 0)
+            self.qs = self.kernel.pack_blocks(*parts, 1 if five else 0)
             if self.activations != "float" and all(b.qtype in K_QTYPES for b in blocks):
-                # The K-quants' scales as stored: 20 bytes an output and 256 weights where
-                # float32 d and m take 64 (the float32 kernels read only those).
-                raw = zip(*(k_scales(b.data) for b in blocks), strict=True)
-                self.dm = cpu_kernels.pack_k_scales(*(torch.cat(p) for p in raw))
+                # The K-quants' scales as stored (pack_k_scales of k_scales'): 20 bytes an
+                # output and 256 weights where float32 d and m take 64 (the float32 kernels
+                # read only those).
+                self.dm = self.kernel.blocks_k_scales(*parts)
             else:
                 d, m = self._scales(blocks)
                 # Q4_0's m = -8 d and Q5_0's -16 d are the kernels' to derive: d alone is read

@@ -72,16 +72,16 @@ class Q6Weight(CompactWeight):
     DECODE_ROWS = 4
 
     def __init__(self, blocks: list[RawBlocks], prefill_rows: bool = True):
-        sc, d = (torch.cat(p) for p in zip(*(q6_k_scales(b.data) for b in blocks), strict=True))
         self.shape = block_bits.shape(blocks)
         self.kernel = cpu_kernels.load()
         parts = block_bits.kernel_args(blocks)
-        self.qs = self.kernel.pack_blocks(*parts, 2)  # pack_q6's
-        self.scales = cpu_kernels.pack_q6_scales(sc, d)
+        # pack_q6's qs and scales (pack_q6_scales of q6_k_scales')
+        self.qs = self.kernel.pack_blocks(*parts, 2)
+        self.scales = self.kernel.blocks_q6_scales(*parts)
         self.qs8 = self.d8 = None
         if prefill_rows:  # pack_q8's of q6_k_as_int8's
             self.qs8 = self.kernel.pack_blocks_q8(*parts, 32)
-            self.d8 = cpu_kernels.pack_q8_scales(group_scales(sc, d))
+            self.d8 = self.kernel.blocks_q6_group_scales(*parts)
 
     def multiply(self, x: Tensor) -> Tensor:
         x32 = x.float().contiguous()
