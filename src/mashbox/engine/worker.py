@@ -53,11 +53,11 @@ def worker_main(
             model_sha=model_sha,
         )
         engine.slow_s = faults.slow
-        masks.grammars()  # before ready: no step waits for llguidance's view of the vocabulary
     except Exception as exc:
         send(conn, WorkerFailed(f"cannot load {path}: {exc}"))
         return
     freeze_heap()
+    masks.read_soon()  # ready ~1.3 s sooner on a 152k-token vocabulary (grammar_mask.py)
     send(conn, engine.info)
     with torch.inference_mode():  # once for every step (Engine.step)
         _serve(conn, engine, faults)
