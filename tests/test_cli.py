@@ -51,9 +51,27 @@ def test_a_negative_decode_burst_is_refused_naming_the_flag():
 
 
 def test_missing_file(tmp_path):
-    result = run_cli("run", str(tmp_path / "absent.gguf"), "--port", "0")
+    """Found missing once the server is up: the engine process spawned ahead of the weights
+    goes with it, at once."""
+    mark = f"mashbox-test-{os.getpid()}-{tmp_path.name}"
+    env = {**os.environ, "MASHBOX_TEST_MARK": mark}
+    result = run_cli("run", str(tmp_path / "absent.gguf"), "--port", "0", env=env)
     assert result.returncode == 1
     assert "no such file" in error_line(result)
+    assert processes_marked(mark) == []
+
+
+def processes_marked(mark: str) -> list[int]:
+    """The pids whose environment holds MASHBOX_TEST_MARK=mark (children inherit it)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"MASHBOX_TEST_MARK={mark}".encode() in f.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:
+            pass  # gone, or not ours to read
+    return found
 
 
 def test_port_in_use(tiny_llama):

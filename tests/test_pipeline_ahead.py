@@ -14,7 +14,7 @@ import trio
 
 from mashbox.engine.engine import Engine
 from mashbox.events import Finished, Request, TextDelta
-from mashbox.protocol import PREVIOUS, Admit, Decode, Prefill, SamplingParams, Step
+from mashbox.protocol import PREVIOUS, Admit, Decode, Load, Prefill, SamplingParams, Step
 from mashbox.scheduler import MAX_REPEAT, Scheduler
 from mashbox.text.stops import StopMatcher
 from mashbox.text.tokenizer import Detokenizer, Tokenizer
@@ -75,7 +75,7 @@ async def serving(tiny_llama, tok, slots: int, decode_burst: float = 0.0):
     """A scheduler stepping a real engine process (threads=1: the tests share the cores);
     decode_burst: as `mashbox run --decode-burst`, in seconds."""
     supervisor = Supervisor(
-        lambda: WorkerProcess(tiny_llama, slots=slots, ctx=512, device="cpu", threads=1)
+        lambda: WorkerProcess(device="cpu", threads=1), Load(str(tiny_llama), slots=slots, ctx=512)
     )
     await supervisor.start()
     link = Recorded(supervisor)

@@ -276,6 +276,21 @@ class EngineInfo:
 
 
 @message
+class Load:
+    """The weights a worker process loads, sent once it is spawned: it imports torch and the
+    engine meanwhile, while the server starts and finds (and checks) the weights."""
+
+    path: str
+    slots: int
+    ctx: int  # 0: the model's own, up to the engine's default
+    decode_weights: str = "float"
+    kv_dtype: str = "auto"
+    cache_dir: str | None = None  # the prompt cache on disk, or None
+    cache_dir_bytes: int = 0  # its cap
+    model_sha: str = ""  # what its files are made for: the weights' checksum
+
+
+@message
 class Shutdown:
     """Ask the worker process to exit."""
 

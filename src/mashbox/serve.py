@@ -19,6 +19,7 @@ from . import registry
 from .heap import freeze_heap
 from .options import ServeOptions
 from .prompt_cache import PromptCache
+from .protocol import Load
 from .scheduler import Scheduler
 from .server import chat_ws, connections
 from .server.app import Drain, RefuseBadHost, RefuseWhileDraining, ShieldFinalSend, create_app
@@ -93,9 +94,14 @@ class _Progress:
 
 
 async def serve(
-    ref: registry.ModelRef, sock: socket.socket, opts: ServeOptions, guard: Guard
+    ref: registry.ModelRef,
+    sock: socket.socket,
+    opts: ServeOptions,
+    guard: Guard,
+    worker: WorkerProcess | None = None,
 ) -> None:
-    """Serve `ref` on the bound socket until SIGINT or SIGTERM."""
+    """Serve `ref` on the bound socket until SIGINT or SIGTERM; its engine in `worker`, spawned
+    ahead (else one spawned once the weights are found)."""
     state = ServerState(model_id=ref.id, ctx=opts.ctx or 0, slots=opts.slots, guard=guard)
     host, port = sock.getsockname()[:2]
     config = Config()
@@ -134,15 +140,21 @@ async def serve(
             log.info("listening on %s (loading %s)", url, ref.id)
             if opts.ui:
                 log.info("chat page: %s/", url)
-            await _load(state, ref, opts, nursery)
+            await _load(state, ref, opts, nursery, worker)
             log.info("point clients at %s/v1 (OpenAI) or %s (Anthropic)", url, url)
     finally:
         if state.supervisor is not None:
             state.supervisor.stop()
 
 
-async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nursery) -> None:
-    """Fetch the weights, start the engine process and the scheduler."""
+async def _load(
+    state: ServerState,
+    ref,
+    opts: ServeOptions,
+    nursery: trio.Nursery,
+    worker: WorkerProcess | None,
+) -> None:
+    """Fetch the weights, load them in the engine process, start the scheduler."""
     t0 = time.monotonic()
     models_dir = opts.models_dir or registry.default_models_dir()
     try:
@@ -153,29 +165,28 @@ async def _load(state: ServerState, ref, opts: ServeOptions, nursery: trio.Nurse
         raise FatalError(str(exc)) from None
 
     weights = weights_sha(path, ref.entry)
-
-    def start_worker():
-        return WorkerProcess(
-            path,
-            slots=opts.slots,
-            ctx=opts.ctx or 0,
-            device=opts.device,
-            threads=opts.threads,
-            decode_weights=opts.decode_weights,
-            kv_dtype=opts.kv_dtype,
-            cache_dir=opts.cache_dir,
-            cache_dir_bytes=opts.cache_dir_mib * 2**20,
-            model_sha=weights,
-        )
-
-    supervisor = Supervisor(start_worker, step_timeout=opts.step_timeout)
+    load = Load(
+        str(path),
+        slots=opts.slots,
+        ctx=opts.ctx or 0,
+        decode_weights=opts.decode_weights,
+        kv_dtype=opts.kv_dtype,
+        cache_dir=str(opts.cache_dir) if opts.cache_dir is not None else None,
+        cache_dir_bytes=opts.cache_dir_mib * 2**20,
+        model_sha=weights,
+    )
+    supervisor = Supervisor(
+        partial(WorkerProcess, device=opts.device, threads=opts.threads),
+        load,
+        step_timeout=opts.step_timeout,
+    )
     state.supervisor = supervisor
     # Parse the vocabulary here while the engine process loads the weights.
     async with trio.open_nursery() as loading:
         text = []
         loading.start_soon(_append_result, text, trio.to_thread.run_sync, load_text, path)
         try:
-            info = await supervisor.start()
+            info = await supervisor.start(worker)
         except WorkerError as exc:
             raise FatalError(str(exc)) from None
     ((tokenizer, template),) = text
@@ -308,7 +319,12 @@ def run(model: str, opts: ServeOptions) -> int:
         guard = make_guard(opts)
         ref = registry.resolve(model)
         sock = bind(opts.host, opts.port, opts.stall_timeout)
-        trio.run(serve, ref, sock, opts, guard)
+        # The engine process imports torch while the server starts and finds the weights.
+        worker = WorkerProcess(device=opts.device, threads=opts.threads).spawn()
+        try:
+            trio.run(serve, ref, sock, opts, guard, worker)
+        finally:
+            worker.stop(grace=0)  # if it never loaded (the supervisor stops one that did)
     except (FatalError, registry.ModelError) as exc:
         print(f"mashbox: error: {exc}", file=sys.stderr)
         return 1

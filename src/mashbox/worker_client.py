@@ -12,7 +12,7 @@ import attrs
 import trio
 
 from .engine.worker import worker_main
-from .protocol import EngineInfo, Shutdown, Step, StepResult, WorkerFailed, send
+from .protocol import EngineInfo, Load, Shutdown, Step, StepResult, WorkerFailed, send
 
 
 class WorkerError(Exception):
@@ -46,25 +46,8 @@ class EngineLink(Protocol):
 class WorkerProcess:
     """One engine process behind a pipe; the scheduler is its only caller."""
 
-    def __init__(
-        self,
-        path,
-        *,
-        slots: int,
-        ctx: int,
-        device: str,
-        threads: int,
-        decode_weights="float",
-        kv_dtype="auto",
-        cache_dir=None,
-        cache_dir_bytes: int = 0,
-        model_sha: str = "",
-    ):
-        """cache_dir: the prompt cache on disk (off: None), at most cache_dir_bytes; its files
-        are valid for model_sha (the weights' checksum, as the server's identity has it)."""
-        cache_dir = str(cache_dir) if cache_dir is not None else None
-        self._args = (str(path), slots, ctx, device, threads, decode_weights, kv_dtype)
-        self._args += (cache_dir, cache_dir_bytes, model_sha)
+    def __init__(self, *, device: str = "cpu", threads: int = 0):
+        self._device, self._threads = device, threads
         self._conn = None
         self._process = None
 
@@ -72,16 +55,30 @@ class WorkerProcess:
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
 
-    async def start(self) -> EngineInfo:
-        """Spawn the process and wait until its model is loaded."""
+    def spawn(self) -> WorkerProcess:
+        """Start the process, which imports torch and the engine (~1.3 s) and then waits for
+        what to load. It blocks for the spawn's few ms: off the event loop once one runs."""
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs trio
         parent, child = ctx.Pipe()
         self._process = ctx.Process(
-            target=worker_main, args=(child, *self._args), name="mashbox-engine", daemon=True
+            target=worker_main,
+            args=(child, self._device, self._threads),
+            name="mashbox-engine",
+            daemon=True,
         )
-        await trio.to_thread.run_sync(self._process.start)
+        self._process.start()
         child.close()
         self._conn = parent
+        return self
+
+    async def load(self, load: Load) -> EngineInfo:
+        """Have the process (spawned now if it was not) load the weights; wait until it has."""
+        if self._process is None:
+            await trio.to_thread.run_sync(self.spawn)
+        try:
+            send(self._conn, load)
+        except OSError as exc:
+            raise WorkerError(f"worker pipe closed: {exc}") from exc
         info = await self._receive()
         if not isinstance(info, EngineInfo):
             raise WorkerError(f"unexpected worker reply {info!r}")
@@ -153,8 +150,9 @@ class Supervisor(EngineLink):
     what happens to each request and calls `restart`.
     """
 
-    def __init__(self, start_worker, *, step_timeout: float = 120.0):
-        self._start_worker = start_worker  # () -> WorkerProcess (not started)
+    def __init__(self, new_worker, load: Load, *, step_timeout: float = 120.0):
+        self._new_worker = new_worker  # () -> WorkerProcess (not spawned)
+        self._load = load
         self.step_timeout = step_timeout
         self.worker: WorkerProcess | None = None
         self.info: EngineInfo | None = None
@@ -174,10 +172,11 @@ class Supervisor(EngineLink):
             self.ready, self.pid, self.restarts, self.compiles_after_ready, self.info
         )
 
-    async def start(self) -> EngineInfo:
+    async def start(self, worker: WorkerProcess | None = None) -> EngineInfo:
+        """Load the weights in `worker` (one spawned ahead), else in a new process."""
         self._runs.clear()  # a new worker never runs what the old one was sent
-        self.worker = self._start_worker()
-        self.info = await self.worker.start()
+        self.worker = worker or self._new_worker()
+        self.info = await self.worker.load(self._load)
         self._compiles_seen = self.info.compiles
         self.ready = True
         return self.info

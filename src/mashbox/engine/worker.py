@@ -10,23 +10,12 @@ from pathlib import Path
 import attrs
 
 from ..heap import freeze_heap
-from ..protocol import Shutdown, Step, WorkerFailed, send
+from ..protocol import Load, Shutdown, Step, WorkerFailed, send
 
 
-def worker_main(
-    conn,
-    path: str,
-    slots: int,
-    ctx: int,
-    device: str,
-    threads: int,
-    decode_weights: str = "float",
-    kv_dtype: str = "auto",
-    cache_dir: str | None = None,
-    cache_dir_bytes: int = 0,
-    model_sha: str = "",
-) -> None:
-    """Entry point of the engine process (spawned: it imports torch, the server never does)."""
+def worker_main(conn, device: str, threads: int) -> None:
+    """Entry point of the engine process (spawned: it imports torch, the server never does).
+    It imports torch and the engine, then loads the weights of the `Load` it is sent."""
     import torch
 
     if threads > 0:
@@ -38,23 +27,29 @@ def worker_main(
     from .grammar_mask import GrammarMasks
 
     try:
+        load = conn.recv()
+    except (EOFError, OSError):
+        return  # the server went away before it found the weights
+    if not isinstance(load, Load):
+        return  # Shutdown
+    try:
         faults = Faults()
-        masks = GrammarMasks(Path(path))
+        masks = GrammarMasks(Path(load.path))
         engine = Engine(
-            path,
-            slots=slots,
-            ctx=ctx,
+            load.path,
+            slots=load.slots,
+            ctx=load.ctx,
             device=device,
-            decode_weights=decode_weights,
-            kv_dtype=kv_dtype,
+            decode_weights=load.decode_weights,
+            kv_dtype=load.kv_dtype,
             grammar_masks=masks,
-            cache_dir=Path(cache_dir) if cache_dir else None,
-            cache_dir_bytes=cache_dir_bytes,
-            model_sha=model_sha,
+            cache_dir=Path(load.cache_dir) if load.cache_dir else None,
+            cache_dir_bytes=load.cache_dir_bytes,
+            model_sha=load.model_sha,
         )
         engine.slow_s = faults.slow
     except Exception as exc:
-        send(conn, WorkerFailed(f"cannot load {path}: {exc}"))
+        send(conn, WorkerFailed(f"cannot load {load.path}: {exc}"))
         return
     freeze_heap()
     masks.read_soon()  # ready ~1.3 s sooner on a 152k-token vocabulary (grammar_mask.py)
