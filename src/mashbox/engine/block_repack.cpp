@@ -198,6 +198,23 @@ uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
+// The K-quant parts' scales (of the types `allowed`) as T [N / 32, K / 256, width]: each
+// tile's `width` values per super-block, f(at, o, block) writing output o's share of them.
+template <typename T, typename F>
+torch::Tensor pack_per_super(const std::vector<torch::Tensor>& parts,
+                             const std::vector<int64_t>& qtypes,
+                             std::initializer_list<int64_t> allowed, int64_t width, const F& f) {
+  const Matrix m(parts, qtypes);
+  const int64_t supers = m.k() / 256;
+  const auto dtype = c10::CppTypeToScalarType<T>::value;
+  torch::Tensor out = torch::empty({m.rows() / TILE_LANES, supers, width}, dtype);
+  T* dst = out.data_ptr<T>();
+  m.super_blocks(allowed, [&](int64_t r, int64_t s, const uint8_t* b) {
+    f(dst + (r / TILE_LANES * supers + s) * width, static_cast<int>(r % TILE_LANES), b);
+  });
+  return out;
+}
+
 }  // namespace
 
 // The integer weights q uint8 [N, K] (0..15, 0..31 for the Q5s, 0..63 for Q6_K) of a
@@ -257,13 +274,7 @@ torch::Tensor pack_blocks_q8(const std::vector<torch::Tensor>& parts,
 // bits; the nibbles of bytes 12-15 hold 4-7's low four (scale low, min high).
 torch::Tensor blocks_k_scales(const std::vector<torch::Tensor>& parts,
                               const std::vector<int64_t>& qtypes) {
-  const Matrix m(parts, qtypes);
-  const int64_t supers = m.k() / 256;
-  auto out = torch::empty({m.rows() / TILE_LANES, supers, 20 * TILE_LANES}, torch::kUInt8);
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  m.super_blocks({Q4_K, Q5_K}, [&](int64_t r, int64_t s, const uint8_t* b) {
-    const int o = r % TILE_LANES;
-    uint8_t* at = dst + (r / TILE_LANES * supers + s) * 20 * TILE_LANES;
+  auto pack = [](uint8_t* at, int o, const uint8_t* b) {
     const uint8_t* packed = b + 4;
     for (int j = 0; j < 4; ++j) {
       at[j * TILE_LANES + o] = packed[j] & 0x3F;
@@ -275,39 +286,29 @@ torch::Tensor blocks_k_scales(const std::vector<torch::Tensor>& parts,
     const uint16_t d = load_u16(b), minus_dmin = load_u16(b + 2) ^ 0x8000;  // fp16's sign
     std::memcpy(at + 16 * TILE_LANES + 2 * o, &d, 2);
     std::memcpy(at + 18 * TILE_LANES + 2 * o, &minus_dmin, 2);
-  });
-  return out;
+  };
+  return pack_per_super<uint8_t>(parts, qtypes, {Q4_K, Q5_K}, 20 * TILE_LANES, pack);
 }
 
 // The Q6_K parts' scales as cpu_kernels.pack_q6_scales lays out q6_weight.q6_k_scales':
 // uint8 [N / 32, K / 256, 576], per tile and super-block int8 sc [16][32], then fp16 d [32].
 torch::Tensor blocks_q6_scales(const std::vector<torch::Tensor>& parts,
                                const std::vector<int64_t>& qtypes) {
-  const Matrix m(parts, qtypes);
-  const int64_t supers = m.k() / 256;
-  auto out = torch::empty({m.rows() / TILE_LANES, supers, 18 * TILE_LANES}, torch::kUInt8);
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  m.super_blocks({Q6_K}, [&](int64_t r, int64_t s, const uint8_t* b) {
-    const int o = r % TILE_LANES;
-    uint8_t* at = dst + (r / TILE_LANES * supers + s) * 18 * TILE_LANES;
+  auto pack = [](uint8_t* at, int o, const uint8_t* b) {
     for (int j = 0; j < 16; ++j) at[j * TILE_LANES + o] = b[192 + j];
     std::memcpy(at + 16 * TILE_LANES + 2 * o, b + 208, 2);
-  });
-  return out;
+  };
+  return pack_per_super<uint8_t>(parts, qtypes, {Q6_K}, 18 * TILE_LANES, pack);
 }
 
 // The Q6_K parts' d * sc per 16 weights (q6_weight.group_scales, exact in float32) as
 // cpu_kernels.pack_q8_scales lays them out: float32 [N / 32, K / 16, 32].
 torch::Tensor blocks_q6_group_scales(const std::vector<torch::Tensor>& parts,
                                      const std::vector<int64_t>& qtypes) {
-  const Matrix m(parts, qtypes);
-  const int64_t groups = m.k() / 16;
-  auto out = torch::empty({m.rows() / TILE_LANES, groups, TILE_LANES}, torch::kFloat);
-  float* dst = out.data_ptr<float>();
-  m.super_blocks({Q6_K}, [&](int64_t r, int64_t s, const uint8_t* b) {
+  auto pack = [](float* at, int o, const uint8_t* b) {
     const float d = static_cast<float>(c10::Half(load_u16(b + 208), c10::Half::from_bits()));
-    float* at = dst + (r / TILE_LANES * groups + 16 * s) * TILE_LANES + r % TILE_LANES;
-    for (int j = 0; j < 16; ++j) at[j * TILE_LANES] = d * static_cast<int8_t>(b[192 + j]);
-  });
-  return out;
+    for (int j = 0; j < 16; ++j) at[j * TILE_LANES + o] = d * static_cast<int8_t>(b[192 + j]);
+  };
+  auto scales = pack_per_super<float>(parts, qtypes, {Q6_K}, 16 * TILE_LANES, pack);
+  return scales.view({scales.size(0), -1, TILE_LANES});
 }
