@@ -98,10 +98,10 @@ async def serve(
     sock: socket.socket,
     opts: ServeOptions,
     guard: Guard,
-    worker: WorkerProcess | None = None,
+    worker: WorkerProcess,
 ) -> None:
-    """Serve `ref` on the bound socket until SIGINT or SIGTERM; its engine in `worker`, spawned
-    ahead (else one spawned once the weights are found)."""
+    """Serve `ref` on the bound socket until SIGINT or SIGTERM, its engine in `worker` (spawned
+    ahead: it imports torch meanwhile)."""
     state = ServerState(model_id=ref.id, ctx=opts.ctx or 0, slots=opts.slots, guard=guard)
     host, port = sock.getsockname()[:2]
     config = Config()
@@ -152,9 +152,9 @@ async def _load(
     ref,
     opts: ServeOptions,
     nursery: trio.Nursery,
-    worker: WorkerProcess | None,
+    worker: WorkerProcess,
 ) -> None:
-    """Fetch the weights, load them in the engine process, start the scheduler."""
+    """Fetch the weights, load them in `worker`, start the scheduler."""
     t0 = time.monotonic()
     models_dir = opts.models_dir or registry.default_models_dir()
     try:
