@@ -33,6 +33,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PROMPT = "The three primary colours are"  # the first answer's, greedy
+
+
 def time_to_ready(
     cmd: list[str], port: int, log: Path, timeout: float = 600
 ) -> tuple[float, float, dict]:
@@ -61,9 +64,6 @@ def time_to_ready(
     finally:
         proc.terminate()
         proc.wait(30)
-
-
-PROMPT = "The three primary colours are"
 
 
 def copy_bandwidth() -> float:
