@@ -13,8 +13,10 @@
    three decoders (CONFIGS): norms, RoPE and SiLU compiled (the default on CUDA) with
    attention over gathered copies (the default) or indexed_attention's, and torch's ops with
    gathered copies.
-   The limit: a step must read every weight once, weight bytes / 4.8 TB/s (the H200's memory
-   bandwidth); "of limit" is that time over the measured one. Beside it, what a 1 GiB
+   The limit: a step must read every weight once, weight bytes / the card's memory bandwidth
+   by its datasheet (DATASHEET_BANDWIDTH: 4.8 TB/s on an H200, 3.35 on an H100 SXM; for a
+   card not listed, what the copy below moved, and the report says so); "of limit" is that
+   time over the measured one. Beside it, what a 1 GiB
    device-to-device copy moves there, and batch-1 steps under torch's profiler, at the short
    and the long context: their kernels' count and time, and the costliest of them.
 
@@ -55,7 +57,24 @@ from mashbox.engine.kv_cache import KVCache  # noqa: E402
 from mashbox.engine.model import TORCH_GLUE, KernelGlue, Model  # noqa: E402
 from support.tinymodels import no_tokenizer, random_weights, step_by_step, write_gguf  # noqa: E402
 
-BANDWIDTH = 4.8e12  # bytes/s: the H200's HBM3e, by its datasheet
+# Memory bandwidth by datasheet, bytes/s, for the names torch gives the cards this check may
+# meet (most specific first). The device machine has been offered as an H200 and as an H100.
+DATASHEET_BANDWIDTH = (
+    ("H200", 4.8e12),  # HBM3e
+    ("H100 NVL", 3.9e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),  # SXM, "NVIDIA H100 80GB HBM3"
+    ("A100-SXM4-80GB", 2.039e12),
+    ("A100 80GB PCIe", 1.935e12),
+    ("A100", 1.555e12),  # the 40 GB cards
+)
+
+
+def datasheet_bandwidth(device_name: str) -> float | None:
+    """The card's memory bandwidth by its datasheet; None for a card not in the table."""
+    return next((bw for key, bw in DATASHEET_BANDWIDTH if key in device_name), None)
+
+
 LLAMA3_8B = ModelConfig(
     arch="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128,
     d_ff=14336, vocab_size=128256, max_context=8192, rope_theta=500000.0,
@@ -240,20 +259,27 @@ def speed(cfg, device: torch.device, *, slots, ctx, batches, warmup, steps, fill
     # ...and, for one more batch-1 row, an agent's long conversation: slot 0 nearly full.
     long_lengths = [ctx - warmup - steps - 64, *lengths[1:]]
     weight_bytes = model.decode_nbytes
+    copy = copy_bandwidth(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    bandwidth = datasheet_bandwidth(name)
+    source = "datasheet" if bandwidth else "measured copy (card not in DATASHEET_BANDWIDTH)"
+    bandwidth = bandwidth or copy or float("inf")
     report = {
         "shape": "llama-3-8b" if cfg == LLAMA3_8B else "smoke",
         "dtype": str(dtype).removeprefix("torch."),
         "slots": slots,
         "ctx": ctx,
         "weight_bytes": weight_bytes,
-        "limit_ms": round(weight_bytes / BANDWIDTH * 1e3, 3),
-        "bandwidth": BANDWIDTH,
-        "copy_bandwidth": copy_bandwidth(device),
+        "limit_ms": round(weight_bytes / bandwidth * 1e3, 3),
+        "bandwidth": bandwidth,
+        "bandwidth_source": source,
+        "copy_bandwidth": copy,
         "capture": {},
         "profile_batch_1_eager": {},
         "max_memory_allocated": 0,
         "steps": [],
     }
+    limit_s = weight_bytes / bandwidth
     print_speed_header(report)
     rows = report["steps"]
     for glue_name, attention in CONFIGS:
@@ -281,9 +307,13 @@ def speed(cfg, device: torch.device, *, slots, ctx, batches, warmup, steps, fill
         }
         if not rows:  # the model alone, per row: once
             modes = {"reference": lambda s, i, p: model.decode(cache, s, i, p), **modes}
-        timed = speed_rows(cfg, model, cache, decoder, modes, lengths, batches, warmup, steps)
+        timed = speed_rows(
+            cfg, model, cache, decoder, modes, lengths, batches, warmup, steps, limit_s
+        )
         graph = {"graph": modes["graph"]}
-        timed += speed_rows(cfg, model, cache, decoder, graph, long_lengths, (1,), warmup, steps)
+        timed += speed_rows(
+            cfg, model, cache, decoder, graph, long_lengths, (1,), warmup, steps, limit_s
+        )
         timed = [{"config": config, **row} for row in timed]
         print_rows(timed)
         rows += timed
@@ -304,9 +334,8 @@ def speed(cfg, device: torch.device, *, slots, ctx, batches, warmup, steps, fill
     return report
 
 
-def speed_rows(cfg, model, cache, decoder, modes, lengths, batches, warmup, steps) -> list:
+def speed_rows(cfg, model, cache, decoder, modes, lengths, batches, warmup, steps, limit_s) -> list:
     device, rows = model.device, []
-    limit_s = model.decode_nbytes / BANDWIDTH
     for batch in batches:
         slots_b = list(range(batch))
         for mode, decode in modes.items():
@@ -370,7 +399,8 @@ def print_speed_header(s: dict) -> None:
     print(
         f"speed: {s['shape']} {s['dtype']}, {s['slots']} slots, ctx {s['ctx']}; weights "
         f"{s['weight_bytes'] / 1e9:.2f} GB/step, limit {s['limit_ms']:.3f} ms at "
-        f"{s['bandwidth'] / 1e12:.1f} TB/s (a copy moved {s['copy_bandwidth'] / 1e12:.2f} TB/s)"
+        f"{s['bandwidth'] / 1e12:.2f} TB/s, {s['bandwidth_source']}"
+        f" (a copy moved {s['copy_bandwidth'] / 1e12:.2f} TB/s)"
     )
     print("  batch config            mode         ms/step     tok/s  of limit  KV MB: needed / "
           "read   B,L", flush=True)  # fmt: skip
