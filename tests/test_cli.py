@@ -11,6 +11,7 @@ import sys
 
 import httpx
 
+from mashbox.engine import kv_cache
 from support.serverproc import ServerProcess
 from support.wheels import make_wheel
 
@@ -58,6 +59,21 @@ def test_missing_file(tmp_path):
     result = run_cli("run", str(tmp_path / "absent.gguf"), "--port", "0", env=env)
     assert result.returncode == 1
     assert "no such file" in error_line(result)
+    assert processes_marked(mark) == []
+
+
+def test_a_kv_cache_the_machine_cannot_hold_is_refused_at_load(tmp_path, tiny_llama):
+    """Enough slots that their positions, once filled, pass the memory available: refused with
+    the flags to lower, rather than killed by the kernel mid-answer; no process left."""
+    mark = f"mashbox-test-{os.getpid()}-{tmp_path.name}"
+    env = {**os.environ, "MASHBOX_TEST_MARK": mark}
+    slots = kv_cache.memory_available() // (64 * 4) + 1  # every position holds 4 bytes or more
+    result = run_cli("run", str(tiny_llama), "--slots", str(slots), "--ctx", "64", "--port", "0",
+                     env=env)  # fmt: skip
+    assert result.returncode == 1
+    line = error_line(result)
+    assert "the KV cache would need" in line and f"for {slots} slots of 64 positions" in line
+    assert line.endswith("available: lower --slots or --ctx")
     assert processes_marked(mark) == []
 
 

@@ -1,0 +1,60 @@
+"""The KV cache's memory on the CPU: pages taken as positions are written (none at start), and
+a cache the machine could not hold refused before anything is mapped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mashbox.engine import kv_cache
+from mashbox.engine.config import ModelConfig
+from mashbox.engine.kv_cache import KVCache
+
+SMOLLM2 = ModelConfig(
+    arch="llama", n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64,
+    d_ff=1536, vocab_size=49152, max_context=8192,
+)  # fmt: skip
+
+
+def resident_mib() -> float:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def test_the_cpu_cache_takes_memory_only_as_positions_are_written():
+    """The default model's default cache, 0.75 GB: nothing resident until written; a written
+    slot's first 256 positions take about their own bytes; the rest still reads zeros."""
+    before = resident_mib()
+    cache = KVCache(SMOLLM2, 4, 8192, "cpu", torch.float16)
+    assert cache.nbytes == 754_974_720
+    assert resident_mib() - before < 16
+    keys = torch.randn(30, 3, 256, 64).half()
+    cache.k[:, 1, :, :256] = keys
+    cache.v[:, 1, :, :256] = -keys
+    written = 2 * keys.numel() * 2 / 2**20  # 5.6 MiB, in whole pages of each (layer, head)
+    assert resident_mib() - before < written + 16
+    assert torch.equal(cache.k[:, 1, :, :256], keys) and torch.equal(cache.v[:, 1, :, :256], -keys)
+    assert not cache.k[:, 1, :, 256:].any() and not cache.v[:, 0].any()
+    assert not cache.k[:, 2].any() and not cache.v[:, 3].any()
+
+
+def test_the_cpu_cache_is_one_contiguous_page_aligned_block_per_tensor():
+    cache = KVCache(SMOLLM2, 2, 64, "cpu", torch.float32, scratch_slot=True)
+    for t in (cache.k, cache.v):
+        assert t.shape == (30, 3, 3, 64, 64) and t.dtype == torch.float32
+        assert t.is_contiguous() and t.data_ptr() % 4096 == 0
+
+
+def test_a_cache_larger_than_the_memory_available_is_refused_naming_the_flags():
+    available = kv_cache.memory_available()
+    assert available is not None and available > 0  # Linux says, in /proc/meminfo
+    per_slot = 2 * 30 * 3 * 8192 * 64 * 2
+    slots = available // per_slot + 1
+    with pytest.raises(ValueError) as refused:
+        KVCache(SMOLLM2, slots, 8192, "cpu", torch.float16)
+    message = str(refused.value)
+    assert f"for {slots} slots of 8192 positions" in message
+    assert message.endswith("available: lower --slots or --ctx")
+    kv_cache.check_fits(per_slot, 1, 8192, per_slot)  # exactly what is there: taken
+    kv_cache.check_fits(per_slot, 1, 8192, None)  # nothing says: not refused
