@@ -39,6 +39,21 @@ def test_the_cpu_cache_takes_memory_only_as_positions_are_written():
     assert not cache.k[:, 2].any() and not cache.v[:, 3].any()
 
 
+def test_the_cpu_caches_pages_go_back_with_its_last_view():
+    """An engine's cache, written whole, then dropped: its memory returns to the system, even
+    where a view of it outlived the cache (nothing stays mapped)."""
+    before = resident_mib()
+    cache = KVCache(SMOLLM2, 2, 4096, "cpu", torch.float16)  # 2 x 90 MiB
+    cache.k.fill_(1)
+    cache.v.fill_(2)
+    assert resident_mib() - before > 170
+    view = cache.k[3]
+    del cache
+    assert 85 < resident_mib() - before < 100  # the view holds the keys' pages...
+    del view
+    assert resident_mib() - before < 8  # ...until it goes
+
+
 def test_the_cpu_cache_is_one_contiguous_page_aligned_block_per_tensor():
     cache = KVCache(SMOLLM2, 2, 64, "cpu", torch.float32, scratch_slot=True)
     for t in (cache.k, cache.v):
