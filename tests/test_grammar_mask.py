@@ -1,16 +1,20 @@
-"""The engine's vocabulary for grammars, read in a thread once the weights are loaded: a
-constrained step that comes first waits for that read rather than starting another, and a
-read that fails is tried again by the step (which then fails as loudly as before)."""
+"""The engine's vocabulary for grammars, read in a thread once the worker is first idle after
+ready: a constrained step that comes first waits for that read rather than starting another,
+and a read that fails is tried again by the step (which then fails as loudly as before)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 
 import pytest
 
-from mashbox.engine import grammar_mask
+from mashbox.engine import grammar_mask, worker
+from mashbox.engine.engine import Engine
+from mashbox.engine.faults import Faults
 from mashbox.engine.grammar_mask import GrammarMasks
+from mashbox.protocol import Shutdown, Step, StepResult, send
 from mashbox.text.tokenizer import Tokenizer
 
 ANSWER = 'start: "yes" | "no"'
@@ -57,3 +61,55 @@ def test_a_failed_read_is_logged_then_tried_again_by_the_step(tiny_qwen2, monkey
     with pytest.raises(ValueError, match="no vocabulary here"):
         masks.matcher(ANSWER)
     assert readers == ["mashbox-vocabulary", threading.current_thread().name]
+
+
+@pytest.fixture
+def serving_worker(tiny_qwen2, monkeypatch):
+    """The worker's step loop on a real engine over a real pipe, in a thread: yields the
+    server's end and the times `when_idle` ran."""
+    monkeypatch.setattr(worker, "IDLE_S", 0.3)
+    monkeypatch.setattr(worker, "IDLE_BY_S", 1.5)
+    engine = Engine(tiny_qwen2, slots=1, ctx=64)
+    server_end, worker_end = multiprocessing.Pipe()
+    ran: list[float] = []
+    loop = threading.Thread(
+        target=worker._serve,
+        args=(worker_end, engine, Faults(), lambda: ran.append(time.monotonic())),
+        daemon=True,
+    )
+    loop.start()
+    yield server_end, ran
+    send(server_end, Shutdown())
+    loop.join(10)
+    assert not loop.is_alive()
+
+
+def steps_every(conn, seconds: float, until: float) -> int:
+    """Send empty steps `seconds` apart, each after the last one's answer, until `until`."""
+    sent = 0
+    while time.monotonic() < until:
+        send(conn, Step(index=sent))
+        assert isinstance(conn.recv(), StepResult)
+        sent += 1
+        time.sleep(seconds)
+    return sent
+
+
+def test_the_worker_reads_the_vocabulary_once_it_is_idle(serving_worker):
+    """Steps coming closer together than IDLE_S leave the read for later; the first pause of
+    IDLE_S starts it, once."""
+    conn, ran = serving_worker
+    t0 = time.monotonic()
+    assert steps_every(conn, 0.05, t0 + 0.8) > 5
+    assert ran == []  # answers at ready come first
+    time.sleep(0.6)
+    assert len(ran) == 1 and ran[0] - t0 >= 0.8 + 0.3 - 0.05
+    steps_every(conn, 0.4, time.monotonic() + 1)
+    assert len(ran) == 1
+
+
+def test_under_a_steady_load_the_worker_reads_it_after_idle_by_s(serving_worker):
+    conn, ran = serving_worker
+    t0 = time.monotonic()
+    steps_every(conn, 0.05, t0 + 2.5)
+    assert len(ran) == 1 and 1.5 <= ran[0] - t0 < 2.0
