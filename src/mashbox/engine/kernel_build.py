@@ -159,7 +159,7 @@ def machine_lacks() -> str | None:
 
 def _ninja_runs() -> bool:
     """torch's builder's own test (`ninja --version` runs), without importing its module:
-    that imports setuptools, ~0.13 s of every start that finds its build cached."""
+    that imports setuptools, ~60 ms of every start that finds its build cached."""
     try:
         subprocess.run(["ninja", "--version"], capture_output=True, check=True, timeout=30)
     except (OSError, subprocess.SubprocessError):

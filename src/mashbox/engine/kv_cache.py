@@ -59,7 +59,7 @@ class KVCache:
 
 def zeros(shape: tuple[int, ...], device, dtype) -> Tensor:
     """Zeros. On the CPU, anonymous pages that the kernel maps, zeroed, on first write: start-up
-    writes no zeros (torch.zeros wrote the default model's 0.76 GB, an 8B model's 4.3 GB), and
+    writes no zeros (torch.zeros wrote the default model's 0.75 GB, an 8B model's 4.3 GB), and
     memory goes to the positions slots fill, not to every slot's whole context."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, device=device, dtype=dtype)
