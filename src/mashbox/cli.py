@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="mashbox: %(message)s")
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
     if args.command == "run":
-        from .serve import run
+        from .launch import run
 
         if args.slots < 1:
             _parser().error("--slots must be at least 1")

@@ -9,7 +9,7 @@ Rules (seed 000 `info.description`, seed 001's security schemes):
   a request whose Origin is another origin than the one it addresses (a web page elsewhere).
   `/health` and `/` stay open to local probes.
 - A server reached through a tunnel or proxy needs a key: `--allowed-host` without one is
-  refused at start (serve.make_guard), and a keyless server refuses any request that a
+  refused at start (launch.make_guard), and a keyless server refuses any request that a
   proxy forwarded (`Forwarded`, `X-Forwarded-For`, `Cf-Connecting-Ip`, `X-Real-Ip`).
 """
 
