@@ -58,9 +58,9 @@ def worker_main(conn, device: str, threads: int) -> None:
         _serve(conn, engine, faults, when_idle=masks.read_soon)
 
 
-# `when_idle`'s work starts once no step has come for IDLE_S, or IDLE_BY_S after ready. A
-# first request sent at the first /health 200 reaches the worker 0.3 s or more after its
-# ready on a slow host (the server's own end of loading, then the request's), hence 1 s.
+# `when_idle`'s work starts once no step has come for IDLE_S, or IDLE_BY_S after ready. With
+# 0.25 s, half the first requests sent at the first /health 200 still met the read on a
+# slow host (the server's own end of loading comes between); with 1 s none did.
 IDLE_S = 1.0
 IDLE_BY_S = 3.0
 
