@@ -8,7 +8,17 @@ import pytest
 from mashbox.batch import MAX_EVENT_TOKENS, MAX_JOIN_TOKENS, Batch
 from mashbox.events import Admitted, Failed, Finished, Request, Restarted, TextDelta
 from mashbox.observer import Observer
-from mashbox.protocol import PREVIOUS, Admit, Decode, Prefill, SamplingParams, Step, StepResult
+from mashbox.protocol import (
+    PREVIOUS,
+    Admit,
+    Branch,
+    Decide,
+    Decode,
+    Prefill,
+    SamplingParams,
+    Step,
+    StepResult,
+)
 from mashbox.sequence import Sequence
 from mashbox.text.tokenizer import Tokenizer
 
@@ -318,6 +328,26 @@ def test_a_request_that_arrives_while_a_step_is_queued_joins_it(tok):
     assert not batch.in_flight
     assert first.output_ids[-2:] == [300, 301] and later.output_ids == [302]
     assert first.pending == later.pending == 0
+
+
+def test_a_decision_joins_for_its_prefix_and_is_read_beside_the_streams(tok):
+    """A join that comes once its step has started runs alone, without the decodes: a
+    question read there (thousands of rows) would hold every stream for a step of its own. So
+    a joining decision only prefills its prefix; its read goes in the next step, with them."""
+    batch = Batch(tok, slots=2, ctx=64)
+    first = started(batch, tok.encode(PARIS), tok.encode("Paris")[0])
+    send(batch, batch.plan())
+    question = Branch(tuple(tok.encode(" Yes or no?")), ((1, 2),))
+    decision = queue(batch, tok.encode("Hello, world!"), max_tokens=1, branches=(question,))
+    send(batch, batch.plan_ahead(), ahead=True)
+    join = send(batch, batch.plan_join())
+    assert join.prefills == (Prefill(1, 0, decision.request.prompt_ids, False),)
+    assert not join.decides and not join.decodes
+    result(batch, {0: 300})
+    result(batch, {0: 301})  # the join ran after its step, on its own
+    step = send(batch, batch.plan())
+    assert step.decides == (Decide(1, len(decision.request.prompt_ids), (question,)),)
+    assert step.decodes == (Decode(0, 301, len(first.request.prompt_ids) + 2),)
 
 
 def test_a_prompt_too_long_to_join_waits_for_a_step_planned_on_the_latest_state(tok):

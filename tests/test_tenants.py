@@ -219,9 +219,13 @@ def test_slow_readers_of_one_tenant_do_not_keep_another_waiting(four_slots):
 
 
 def test_a_long_typed_decision_leaves_other_streams_decoding(tiny_llama):
-    """16 questions x 255 options (~4k rows) are read a prefill chunk's worth of rows a step,
-    so a concurrent stream's longest gap between tokens stays well under a second (1.66 s
-    when one step read them all); 64 x 255 is refused outright."""
+    """16 questions x 255 options (~48k rows) are read one question a step, each beside the
+    concurrent stream's decode, so the stream's longest gap between tokens is a question's
+    read or two (its text can be held a step for a whole character): here 0.16-0.5 s of a
+    2.6 s decision, and 0.8-5.3 s of 6.7-13.2 s beside two busy loops. One step reading all
+    made it the whole decision (2.56 of 2.59 s). Both times come from the same run, so a slow
+    host stretches both (a fixed 1 s bound failed on a starved CI machine); 64 x 255 is
+    refused outright."""
     questions = {
         f"q{i}": {
             "type": "choice",
@@ -231,11 +235,14 @@ def test_a_long_typed_decision_leaves_other_streams_decoding(tiny_llama):
         for i in range(64)
     }
     state = "I was charged twice for my order. Please refund the duplicate payment today."
-    with serving(str(tiny_llama), "--ctx", "4096", "--slots", "2") as server:
+    # 3 ms a step: the stream (~10 s alone) outlasts the decision on any host; it is cut then.
+    env = {"MASHBOX_FAULTS": "slow=0.003"}
+    with serving(str(tiny_llama), "--ctx", "4096", "--slots", "2", env=env) as server:
         url = server.url
         too_big = {"model": "jev-latest", "state": state, "questions": questions}
         assert httpx.post(url + "/v1/systemone", json=too_big, timeout=60).status_code == 422
         gaps: list[float] = []
+        decided, outlasted = threading.Event(), threading.Event()
 
         def stream() -> None:
             body = {"prompt": "hello", "max_tokens": 3500, "ignore_eos": True, "stream": True}
@@ -247,15 +254,22 @@ def test_a_long_typed_decision_leaves_other_streams_decoding(tiny_llama):
                         if last is not None:
                             gaps.append(now - last)
                         last = now
+                        if decided.is_set():  # this gap spans the decision's end
+                            outlasted.set()
+                            return
 
         reader = threading.Thread(target=stream)
         reader.start()
         time.sleep(0.3)
         read = {**too_big, "questions": dict(list(questions.items())[:16])}
+        start = time.monotonic()
         r = httpx.post(url + "/v1/systemone", json=read, timeout=300)
+        decision_s = time.monotonic() - start
+        decided.set()
         reader.join()
         assert r.status_code == 200 and len(r.json()["answers"]) == 16
-        assert max(gaps) < 1.0
+        assert outlasted.is_set()  # the gaps cover the whole decision
+        assert max(gaps) < decision_s / 2, (max(gaps), decision_s)
 
 
 def test_a_poison_request_is_not_run_into_a_second_fault(tiny_llama):

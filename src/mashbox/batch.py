@@ -130,8 +130,9 @@ class Batch:
 
     # --- planning -------------------------------------------------------------------------
 
-    def plan(self, only: list[Sequence] | None = None) -> Step | None:
-        """The next step on the engine's latest state; `only`: just these requests' work."""
+    def plan(self, only: list[Sequence] | None = None, *, reads: bool = True) -> Step | None:
+        """The next step on the engine's latest state; `only`: just these requests' work;
+        `reads`: whether decisions' reads may be planned (not in a join: `plan_join`)."""
         admits, prefills, decodes, decides = [], [], [], []
         budget = self.prefill_chunk
         for slot in self.slots:
@@ -143,7 +144,8 @@ class Batch:
                 seq.admitted = True
             prompt = seq.request.prompt_ids
             if seq.request.branches and seq.prefilled == len(prompt):
-                budget -= self._read(seq, budget, decides)
+                if reads:
+                    budget -= self._read(seq, budget, decides)
             elif seq.decoding:
                 # A reader that is behind does not hold its slot: its answer goes on into its
                 # outbox (at most max_tokens events) and frees the slot when it ends.
@@ -156,7 +158,7 @@ class Batch:
                 branches, embed = seq.request.branches, seq.request.embed
                 sample = last and not branches
                 prefills.append(Prefill(slot.index, seq.prefilled, chunk, sample, embed))
-                if last and branches:  # read right after the chunk that completes the prefix
+                if last and branches and reads:  # right after the chunk completing the prefix
                     budget -= self._read(seq, budget, decides)
         if not (admits or prefills or decodes or decides or self.moves):
             return None
@@ -230,14 +232,17 @@ class Batch:
         """New work for waiting requests, to run inside the step queued behind the running
         one (decodes, planned ahead; `Step.joins`). Only slots the queued step leaves alone
         are given, and only small prompts (MAX_JOIN_TOKENS): the rest wait for a step
-        planned on the engine's latest state."""
+        planned on the engine's latest state. No decision is read in a join: a join that
+        comes once its step has started runs alone, without the decodes, and a read there (a
+        whole question, thousands of rows) would hold every stream for a step of its own. In
+        the next step the streams' decodes ride beside it."""
         if len(self.in_flight) != 2 or not self.in_flight[-1].ahead:
             return None
         queued = self.in_flight[-1]
         busy = {d.slot for d in queued.step.decodes}
         free = [s for s in self.slots if s.seq is None and s.index not in busy]
         placed = self.admit(free, budget=MAX_JOIN_TOKENS) if free else []
-        step = self.plan(only=placed) if placed else None
+        step = self.plan(only=placed, reads=False) if placed else None
         return attrs.evolve(step, joins=queued.step.index) if step is not None else None
 
     # --- the steps in flight --------------------------------------------------------------
