@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mashbox.batch import MAX_EVENT_TOKENS, MAX_JOIN_TOKENS, Batch
-from mashbox.events import Admitted, Failed, Finished, Request, Restarted, TextDelta
+from mashbox.events import Admitted, Decision, Failed, Finished, Request, Restarted, TextDelta
 from mashbox.observer import Observer
 from mashbox.protocol import (
     PREVIOUS,
@@ -348,6 +348,52 @@ def test_a_decision_joins_for_its_prefix_and_is_read_beside_the_streams(tok):
     step = send(batch, batch.plan())
     assert step.decides == (Decide(1, len(decision.request.prompt_ids), (question,)),)
     assert step.decodes == (Decode(0, 301, len(first.request.prompt_ids) + 2),)
+
+
+def test_a_long_question_is_written_a_chunk_a_step_then_read(tok):
+    """A question longer than a prompt chunk would hold every stream for its whole read: its
+    suffix goes into the slot after the prefix a chunk a step, cut from its own start (the
+    same pieces whatever else is planned), then its last piece and leaves are read. Short
+    questions still go together."""
+    batch = Batch(tok, slots=2, ctx=256, prefill_chunk=16)
+    steady = started(batch, tok.encode(PARIS), tok.encode("Paris")[0])
+    short = Branch((5, 6, 7), ((1, 2),))
+    long = Branch(tuple(range(100, 140)), ((1, 2),), leaves=(3, 4))
+    prompt = tok.encode("Hello, world!")
+    n = len(prompt)
+    decision = queue(batch, prompt, max_tokens=1, branches=(short, short, long, short))
+    batch.admit()
+    slot = decision.slot.index
+    step = send(batch, batch.plan())  # the prefix completes, the short ones are read after it
+    assert step.prefills[-1] == Prefill(slot, 0, tuple(prompt), False)
+    assert step.decides == (Decide(slot, n, (short, short)),)
+    read = ((-0.5,),)  # each question's log-probs, as the engine gives them
+
+    def landed(token: int, reads: int = 0) -> None:
+        done = StepResult({0: token}, 0.001, decisions={slot: (read,) * reads} if reads else {})
+        batch.apply(batch.landed(done), done)
+
+    landed(300, reads=2)
+    pieces = []
+    for _ in range(2):  # 40 tokens in chunks of 16: two pieces, then the last 8 read
+        step = send(batch, batch.plan())
+        assert len(step.decodes) == 1 and not step.decides
+        pieces += step.prefills
+        landed(301)
+    assert pieces == [
+        Prefill(slot, n, long.token_ids[:16], False, alone=True),
+        Prefill(slot, n + 16, long.token_ids[16:32], False, alone=True),
+    ]
+    assert batch.slots[slot].tokens == [*prompt, *long.token_ids[:32]]
+    step = send(batch, batch.plan())
+    tail = Branch(long.token_ids[32:], ((1, 2),), leaves=(3, 4))
+    assert step.decides == (Decide(slot, n + 32, (tail,)),)
+    landed(302, reads=1)
+    assert batch.slots[slot].tokens == list(prompt)  # the next question goes after the prefix
+    assert send(batch, batch.plan()).decides == (Decide(slot, n, (short,)),)
+    landed(303, reads=1)
+    assert decision.outbox[-2] == Decision((read,) * 4) and decision.done
+    assert steady.output_ids[-5:] == [300, 301, 301, 302, 303]  # a token every step
 
 
 def test_a_prompt_too_long_to_join_waits_for_a_step_planned_on_the_latest_state(tok):

@@ -216,6 +216,47 @@ def test_decide_reads_branches_after_the_prefix_like_whole_prompts(tiny):
     torch.testing.assert_close(h[0], reference_hidden(w, prefix + [3])[-1], rtol=1e-4, atol=1e-4)
 
 
+def test_a_long_question_written_in_pieces_then_read_reads_the_whole_prompt(tiny):
+    """A question longer than a chunk, as the batch core runs it (`Batch._read`): its suffix
+    written after the prefix a piece a step, beside another slot's prompt, then its last
+    piece and leaves read. Each read is what the whole prompt gives; the next question's
+    pieces overwrite the first's, and the prefix stays as it was."""
+    _, w, path = tiny
+    engine = Engine(path, slots=2, ctx=64)
+    prefix = (4, 8, 15, 16, 23, 42, 5)
+    other = (3, 1, 4, 1, 5, 9, 2, 6)
+    piece = 4
+    first = Branch(tuple(range(30, 41)), ((1, 2), (5, 6), (7,)), leaves=(2, 3))
+    second = Branch(tuple(range(50, 57)), ((8, 9),))
+    engine.step(
+        Step(
+            admits=(Admit(0, SamplingParams(), prefix), Admit(1, SamplingParams(), other)),
+            prefills=(Prefill(0, 0, prefix, False),),
+        )
+    )
+
+    def read(branch: Branch, beside: tuple[int, ...]):
+        tail = (len(branch.token_ids) - 1) // piece * piece
+        for start in range(0, tail, piece):
+            chunk = branch.token_ids[start : start + piece]
+            prefills = [Prefill(0, len(prefix) + start, chunk, False, alone=True)]
+            if beside:  # another slot's prompt shares the forward
+                prefills.append(Prefill(1, start, beside[start : start + piece], False))
+            engine.step(Step(prefills=tuple(prefills)))
+        rest = attrs.evolve(branch, token_ids=branch.token_ids[tail:])
+        step = Step(decides=(Decide(0, len(prefix) + tail, (rest,)),))
+        return engine.step(step).decisions[0][0]
+
+    for branch in (first, second):
+        got = read(branch, other)
+        ids = list(prefix) + list(branch.token_ids)
+        contexts = [ids] + [ids + [leaf] for leaf in branch.leaves]
+        for context, candidates, values in zip(contexts, branch.candidates, got, strict=True):
+            expected = reference_logprobs(w, context)[list(candidates)]
+            torch.testing.assert_close(torch.tensor(values), expected, rtol=1e-4, atol=1e-4)
+    assert read(first, ()) == read(first, other)  # the same bits whatever shares its steps
+
+
 def test_a_branch_reads_the_same_alone_and_among_others(tiny):
     _, _, path = tiny
     engine = Engine(path, slots=1, ctx=64)

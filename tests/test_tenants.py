@@ -219,13 +219,13 @@ def test_slow_readers_of_one_tenant_do_not_keep_another_waiting(four_slots):
 
 
 def test_a_long_typed_decision_leaves_other_streams_decoding(tiny_llama):
-    """16 questions x 255 options (~48k rows) are read one question a step, each beside the
-    concurrent stream's decode, so the stream's longest gap between tokens is a question's
-    read or two (its text can be held a step for a whole character): here 0.16-0.5 s of a
-    2.6 s decision, and 0.8-5.3 s of 6.7-13.2 s beside two busy loops. One step reading all
-    made it the whole decision (2.56 of 2.59 s). Both times come from the same run, so a slow
-    host stretches both (a fixed 1 s bound failed on a starved CI machine); 64 x 255 is
-    refused outright."""
+    """16 questions x 255 options (~2,800 tokens each) are read a prompt chunk a step, beside
+    the concurrent stream's decode, so the stream's longest gap between tokens is a chunk's
+    step, not the decision: 0.03 s of 1.4-1.6 s here, 0.13-0.46 s of 4.4-11.5 s beside two
+    busy loops. One step reading them all made it the whole decision (2.56 of 2.59 s), and a
+    question a step 0.16-0.5 s of 2.6 s. Both times come from the same run, so a slow host
+    stretches both (a fixed 1 s bound failed on a starved CI machine); 64 x 255 is refused
+    outright."""
     questions = {
         f"q{i}": {
             "type": "choice",
@@ -269,7 +269,7 @@ def test_a_long_typed_decision_leaves_other_streams_decoding(tiny_llama):
         reader.join()
         assert r.status_code == 200 and len(r.json()["answers"]) == 16
         assert outlasted.is_set()  # the gaps cover the whole decision
-        assert max(gaps) < decision_s / 2, (max(gaps), decision_s)
+        assert max(gaps) < decision_s / 4, (max(gaps), decision_s)
 
 
 def test_a_poison_request_is_not_run_into_a_second_fault(tiny_llama):

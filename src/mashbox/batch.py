@@ -145,7 +145,7 @@ class Batch:
             prompt = seq.request.prompt_ids
             if seq.request.branches and seq.prefilled == len(prompt):
                 if reads:
-                    budget -= self._read(seq, budget, decides)
+                    budget -= self._read(seq, budget, decides, prefills)
             elif seq.decoding:
                 # A reader that is behind does not hold its slot: its answer goes on into its
                 # outbox (at most max_tokens events) and frees the slot when it ends.
@@ -159,7 +159,7 @@ class Batch:
                 sample = last and not branches
                 prefills.append(Prefill(slot.index, seq.prefilled, chunk, sample, embed))
                 if last and branches and reads:  # right after the chunk completing the prefix
-                    budget -= self._read(seq, budget, decides)
+                    budget -= self._read(seq, budget, decides)  # (no piece: its slot's chunk)
         if not (admits or prefills or decodes or decides or self.moves):
             return None
         self._steps += 1
@@ -172,21 +172,42 @@ class Batch:
             **self.moves.take(),
         )
 
-    @staticmethod
-    def _read(seq: Sequence, budget: int, decides: list[Decide]) -> int:
-        """Plan the next of a decision's branches that fit `budget` rows (at least one, however
-        many rows it has, while any budget is left), like a prompt chunk: a large read never
-        holds the other streams for long. Return the rows planned."""
+    def _read(
+        self, seq: Sequence, budget: int, decides: list[Decide], prefills: list | None = None
+    ) -> int:
+        """Plan a decision's next work while any `budget` is left, like a prompt chunk, so a
+        large read never holds the other streams for long; return the rows planned.
+
+        Questions of at most a chunk go together, as many as fit the budget (at least one).
+        A longer question's suffix is written to the slot after the prefix a chunk a step
+        (`prefills`: none in the step that completes the prefix, whose chunk is the slot's),
+        then its last piece and leaves are read after it. Its pieces are cut from its own
+        start, whatever else the steps hold, so its answer has the same bits in any batch."""
         if budget <= 0:
             return 0
+        prefix, piece = len(seq.request.prompt_ids), self.prefill_chunk
+        todo = seq.request.branches[len(seq.readings) :]
+        if len(todo[0].token_ids) > piece:
+            suffix = todo[0].token_ids
+            tail = (len(suffix) - 1) // piece * piece  # where its last piece starts
+            if seq.written < tail:
+                if prefills is None:
+                    return 0
+                chunk = suffix[seq.written : seq.written + piece]
+                piece_at = prefix + seq.written
+                prefills.append(Prefill(seq.slot.index, piece_at, chunk, False, alone=True))
+                return len(chunk)
+            rest = attrs.evolve(todo[0], token_ids=suffix[tail:])
+            decides.append(Decide(seq.slot.index, prefix + tail, (rest,)))
+            return len(rest.token_ids) + len(rest.leaves)
         group, rows = [], 0
-        for branch in seq.request.branches[len(seq.readings) :]:
+        for branch in todo:
             n = len(branch.token_ids) + len(branch.leaves)  # its suffix and its leaves
-            if group and rows + n > budget:
+            if group and (rows + n > budget or len(branch.token_ids) > piece):
                 break
             group.append(branch)
             rows += n
-        decides.append(Decide(seq.slot.index, len(seq.request.prompt_ids), tuple(group)))
+        decides.append(Decide(seq.slot.index, prefix, tuple(group)))
         return rows
 
     def needs_latest_state(self) -> bool:
@@ -295,7 +316,10 @@ class Batch:
             if seq is None:
                 continue
             self.slots[p.slot].tokens.extend(p.token_ids)
-            seq.prefilled += len(p.token_ids)
+            if p.start < len(seq.request.prompt_ids):
+                seq.prefilled += len(p.token_ids)
+            else:  # a piece of a long question's suffix (`_read`)
+                seq.written += len(p.token_ids)
             if p.pool and p.sample:
                 prompt_tokens += len(seq.request.prompt_ids)
                 seq.t_first = seq.t_last = now
@@ -315,6 +339,9 @@ class Batch:
                 self._overflowed(seq)
                 continue
             seq.readings.extend(result.decisions[d.slot])
+            # The slot holds the state alone again: the next question's pieces overwrite these.
+            del self.slots[d.slot].tokens[len(seq.request.prompt_ids) :]
+            seq.written = 0
             if len(seq.readings) < len(seq.request.branches):
                 continue  # more branches to read, in the next steps
             prompt_tokens += len(seq.request.prompt_ids)

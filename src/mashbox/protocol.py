@@ -72,6 +72,9 @@ class Prefill:
     token_ids: tuple[int, ...]
     sample: bool
     pool: bool = False  # embeddings: add this chunk's final hidden states to the slot's sum
+    # A long decision question's piece (`Batch._read`): run in a forward of its own, so its
+    # rows' bits depend on nothing else the step holds (sgemm rounds by the row count).
+    alone: bool = False
 
 
 # A Decode's token_id when the scheduler planned the step before it had the one before's

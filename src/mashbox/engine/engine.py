@@ -307,8 +307,12 @@ class Engine:
         logprobs: dict[int, tuple] = {}
         embeddings: dict[int, tuple[float, ...]] = {}
         nonfinite: list[int] = []
-        generation = [p for p in step.prefills if not p.pool]
+        generation = [p for p in step.prefills if not (p.pool or p.alone)]
         self._prefill(generation, tokens, logprobs, nonfinite)
+        pieces = [p for p in step.prefills if p.alone]
+        for p in pieces:
+            ids = torch.tensor(p.token_ids, dtype=torch.long, device=self.device)
+            self.model.prefill(self.cache, p.slot, p.start, ids)
         pooling = [p for p in step.prefills if p.pool]
         for p in pooling:
             ids = torch.tensor(p.token_ids, dtype=torch.long, device=self.device)
@@ -333,7 +337,7 @@ class Engine:
                 else:
                     tokens[d.slot] = self._sample(d.slot, logits[row], d.position + 1)
                 self._read_logprobs(d.slot, logits, row, tokens[d.slot], logprobs)
-        decisions, forwards = {}, bool(generation) + len(pooling) + bool(step.decodes)
+        decisions, forwards = {}, bool(generation) + len(pooling) + len(pieces) + bool(step.decodes)
         for d in step.decides:
             read, reads = self._decide(d)
             forwards += reads

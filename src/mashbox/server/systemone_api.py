@@ -1,8 +1,9 @@
 """POST /v1/systemone (typed decisions), GET /v1/limits: seed 004, TypeSafe Jev compatible.
 
 One request is one scheduler request: its state is prefilled through a slot (the prompt
-cache makes a repeated state free) and every question is read right after it in one batched
-forward; nothing is generated. Errors come in seed 004's `ErrorResponse` shape.
+cache makes a repeated state free) and its questions are read after it, a prompt chunk's
+worth of rows a step (`Batch._read`); nothing is generated. Errors come in seed 004's
+`ErrorResponse` shape.
 """
 
 from __future__ import annotations
