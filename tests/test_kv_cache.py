@@ -73,3 +73,53 @@ def test_a_cache_larger_than_the_memory_available_is_refused_naming_the_flags():
     assert message.endswith("available: lower --slots or --ctx")
     kv_cache.check_fits(per_slot, 1, 8192, per_slot)  # exactly what is there: taken
     kv_cache.check_fits(per_slot, 1, 8192, None)  # nothing says: not refused
+
+
+def cgroup_tree(tmp_path, membership: str, files: dict[str, str]):
+    """A cgroup mount and /proc/self/cgroup as the kernel lays them out, under tmp_path."""
+    for name, text in files.items():
+        (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / name).write_text(text)
+    (tmp_path / "cgroup").write_text(membership)
+    return tmp_path / "fs", tmp_path / "cgroup"
+
+
+def test_a_cgroup_v2_limit_on_the_process_or_any_parent_bounds_the_room(tmp_path):
+    mount, membership = cgroup_tree(
+        tmp_path,
+        "0::/system.slice/app.service\n",
+        {
+            "memory.max": "max\n",  # the root has no limit
+            "system.slice/memory.max": str(6 << 30),
+            "system.slice/memory.current": str(1 << 30),
+            "system.slice/app.service/memory.max": "max\n",
+            "system.slice/app.service/memory.current": str(1 << 30),
+        },
+    )
+    assert kv_cache.cgroup_room(mount, membership) == 5 << 30
+
+
+def test_a_cgroup_v1_limit_bounds_the_room_and_its_no_limit_does_not(tmp_path):
+    membership = "12:pids:/\n4:memory:/docker/abc\n1:cpu,cpuacct:/\n0::/\n"
+    limited = {
+        "memory/docker/abc/memory.limit_in_bytes": str(4 << 30),
+        "memory/docker/abc/memory.usage_in_bytes": str(3 << 30),
+    }
+    assert kv_cache.cgroup_room(*cgroup_tree(tmp_path / "a", membership, limited)) == 1 << 30
+    unlimited = {  # what this machine's container shows: 2**63 - 4096, "no limit"
+        "memory/memory.limit_in_bytes": "9223372036854771712\n",
+        "memory/memory.usage_in_bytes": str(5 << 30),
+    }
+    assert kv_cache.cgroup_room(*cgroup_tree(tmp_path / "b", membership, unlimited)) is None
+
+
+def test_inside_a_container_the_mount_root_is_its_cgroup(tmp_path):
+    """A cgroup namespace shows the container's own cgroup as the mount's root while
+    /proc/self/cgroup may still name a path that is not there: the root's limit counts."""
+    mount, membership = cgroup_tree(
+        tmp_path,
+        "4:memory:/process_api/691c\n",
+        {"memory/memory.limit_in_bytes": str(2 << 30), "memory/memory.usage_in_bytes": "0"},
+    )
+    assert kv_cache.cgroup_room(mount, membership) == 2 << 30
+    assert kv_cache.cgroup_room(mount, tmp_path / "absent") is None
