@@ -11,7 +11,7 @@ import sys
 
 import httpx
 
-from mashbox.engine import kv_cache
+from mashbox.memory import memory_available
 from support.serverproc import ServerProcess
 from support.wheels import make_wheel
 
@@ -67,7 +67,7 @@ def test_a_kv_cache_the_machine_cannot_hold_is_refused_at_load(tmp_path, tiny_ll
     the flags to lower, rather than killed by the kernel mid-answer; no process left."""
     mark = f"mashbox-test-{os.getpid()}-{tmp_path.name}"
     env = {**os.environ, "MASHBOX_TEST_MARK": mark}
-    slots = kv_cache.memory_available() // (64 * 4) + 1  # every position holds 4 bytes or more
+    slots = memory_available() // (64 * 4) + 1  # every position holds 4 bytes or more
     result = run_cli("run", str(tiny_llama), "--slots", str(slots), "--ctx", "64", "--port", "0",
                      env=env)  # fmt: skip
     assert result.returncode == 1

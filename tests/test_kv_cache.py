@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mashbox import memory
 from mashbox.engine import kv_cache
 from mashbox.engine.config import ModelConfig
 from mashbox.engine.kv_cache import KVCache
@@ -62,7 +63,7 @@ def test_the_cpu_cache_is_one_contiguous_page_aligned_block_per_tensor():
 
 
 def test_a_cache_larger_than_the_memory_available_is_refused_naming_the_flags():
-    available = kv_cache.memory_available()
+    available = memory.memory_available()
     assert available is not None and available > 0  # Linux says, in /proc/meminfo
     per_slot = 2 * 30 * 3 * 8192 * 64 * 2
     slots = available // per_slot + 1
@@ -96,7 +97,7 @@ def test_a_cgroup_v2_limit_on_the_process_or_any_parent_bounds_the_room(tmp_path
             "system.slice/app.service/memory.current": str(1 << 30),
         },
     )
-    assert kv_cache.cgroup_room(mount, membership) == 5 << 30
+    assert memory.cgroup_room(mount, membership) == 5 << 30
 
 
 def test_a_cgroup_v1_limit_bounds_the_room_and_its_no_limit_does_not(tmp_path):
@@ -105,12 +106,12 @@ def test_a_cgroup_v1_limit_bounds_the_room_and_its_no_limit_does_not(tmp_path):
         "memory/docker/abc/memory.limit_in_bytes": str(4 << 30),
         "memory/docker/abc/memory.usage_in_bytes": str(3 << 30),
     }
-    assert kv_cache.cgroup_room(*cgroup_tree(tmp_path / "a", membership, limited)) == 1 << 30
+    assert memory.cgroup_room(*cgroup_tree(tmp_path / "a", membership, limited)) == 1 << 30
     unlimited = {  # what this machine's container shows: 2**63 - 4096, "no limit"
         "memory/memory.limit_in_bytes": "9223372036854771712\n",
         "memory/memory.usage_in_bytes": str(5 << 30),
     }
-    assert kv_cache.cgroup_room(*cgroup_tree(tmp_path / "b", membership, unlimited)) is None
+    assert memory.cgroup_room(*cgroup_tree(tmp_path / "b", membership, unlimited)) is None
 
 
 def test_inside_a_container_the_mount_root_is_its_cgroup(tmp_path):
@@ -121,5 +122,5 @@ def test_inside_a_container_the_mount_root_is_its_cgroup(tmp_path):
         "4:memory:/process_api/691c\n",
         {"memory/memory.limit_in_bytes": str(2 << 30), "memory/memory.usage_in_bytes": "0"},
     )
-    assert kv_cache.cgroup_room(mount, membership) == 2 << 30
-    assert kv_cache.cgroup_room(mount, tmp_path / "absent") is None
+    assert memory.cgroup_room(mount, membership) == 2 << 30
+    assert memory.cgroup_room(mount, tmp_path / "absent") is None

@@ -8,6 +8,7 @@ import torch
 
 from mashbox.engine.engine import Engine
 from mashbox.kv_moves import KVMoves
+from mashbox.memory import host_cache_cap, memory_available
 from mashbox.prompt_cache import MIN_TOKENS, PromptCache
 from mashbox.protocol import Admit, Decode, Prefill, Restore, SamplingParams, Save, Step
 from mashbox.sequence import Slot
@@ -194,3 +195,24 @@ def test_a_busy_slots_prefix_is_shared_exactly(tiny_llama):
     prompt_tokens = alone["usage"]["prompt_tokens"]
     # The whole system text, not the tail that differs (and never the last token).
     assert prompt_tokens - 10 < shared["timings"]["cache_n"] < prompt_tokens
+
+
+def test_the_ram_cache_cap_leaves_the_kv_cache_and_half_the_rest():
+    gib = 2**30
+    assert host_cache_cap(8 * gib, 20 * gib, 4 * gib) == 8 * gib  # room enough: as asked
+    assert host_cache_cap(8 * gib, 10 * gib, 4 * gib) == 3 * gib  # half of what is left
+    assert host_cache_cap(8 * gib, 3 * gib, 4 * gib) == 0  # the KV cache alone fills it
+    assert host_cache_cap(8 * gib, None, 4 * gib) == 8 * gib  # nothing says: as asked
+
+
+def test_a_ram_cache_larger_than_the_machine_is_capped_loudly(tiny_llama):
+    """--cache-ram past what the machine has would end in the OOM killer once the cache
+    filled, hours later: the server caps it at load, says so, and reports the cap."""
+    asked = 2**30  # MiB: a PiB
+    with serving(str(tiny_llama), "--ctx", "512", "--cache-ram", str(asked)) as server:
+        reported = httpx.get(server.url + "/v1/models").json()["data"][0]["cache_ram_mib"]
+        cap = httpx.get(server.url + "/health").json()["host_cache_cap_bytes"]
+        log = "\n".join(server.lines)
+    assert 0 < reported < memory_available() // 2**20 // 2 + 1
+    assert cap // 2**20 == reported
+    assert f"not --cache-ram's {asked}" in log and "WARNING: the RAM prompt cache" in log

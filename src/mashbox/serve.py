@@ -17,6 +17,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from . import registry
 from .heap import freeze_heap
 from .launch import BACKLOG, FatalError
+from .memory import host_cache_cap, memory_available
 from .options import ServeOptions
 from .prompt_cache import PromptCache
 from .protocol import Load
@@ -164,7 +165,7 @@ async def _load(
     state.ctx = info.ctx
     identity = model_identity(ref.id, weights, tokenizer, template, info, opts.slots)
     cache = PromptCache(
-        opts.cache_ram_mib * 2**20, info.kv_bytes_per_token, identity.cache_namespace
+        _host_cache_bytes(opts, info), info.kv_bytes_per_token, identity.cache_namespace
     )
     if opts.cache_dir is not None:
         cache.use_disk(opts.cache_dir_mib * 2**20, info.disk_key, info.disk_entries)
@@ -204,8 +205,28 @@ async def _load(
         opts.slots,
         info.ctx,
         info.kv_dtype,
-        opts.cache_ram_mib,
+        cache.cap_bytes // 2**20,
     )
+
+
+def _host_cache_bytes(opts: ServeOptions, info) -> int:
+    """--cache-ram's bytes, or less where the machine could not hold them beside a full KV
+    cache (on the CPU its pages are taken as slots fill), said loudly."""
+    asked = opts.cache_ram_mib * 2**20
+    kv = opts.slots * info.ctx * info.kv_bytes_per_token if info.device == "cpu" else 0
+    available = memory_available()
+    cap = host_cache_cap(asked, available, kv)
+    if cap < asked:
+        log.warning(
+            "WARNING: the RAM prompt cache holds at most %d MiB, not --cache-ram's %d: this "
+            "machine has %.1f GB available, %.1f GB of it for the KV cache as slots fill, and "
+            "the prompt cache takes at most half of the rest",
+            cap // 2**20,
+            opts.cache_ram_mib,
+            available / 1e9,
+            kv / 1e9,
+        )
+    return cap
 
 
 async def _append_result(out: list, fn, *args) -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import mmap
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from ..memory import memory_available
 from .config import ModelConfig
 
 
@@ -66,64 +66,6 @@ def zeros(shape: tuple[int, ...], device, dtype) -> Tensor:
     count = math.prod(shape)
     pages = mmap.mmap(-1, max(1, count * dtype.itemsize))  # the tensor keeps it mapped
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
-
-
-def memory_available() -> int | None:
-    """Bytes this process can still take: /proc/meminfo's MemAvailable, or less where a cgroup
-    (a container's memory limit) allows less; None where neither says."""
-    known = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                known.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    room = cgroup_room()
-    if room is not None:
-        known.append(room)
-    return min(known) if known else None
-
-
-# cgroup v1 writes "no limit" as the largest page-aligned counter (2**63 - 4096 on x86-64).
-_V1_UNLIMITED = 2**62
-
-
-def cgroup_room(
-    mount: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
-) -> int | None:
-    """The least room (limit less usage) of this process's memory cgroup and its ancestors,
-    v2 (`memory.max`) or v1 (`memory/.../memory.limit_in_bytes`); None where none limits it.
-    Inside a container the cgroup's own path may not exist under the mount (its namespace
-    shows the container's cgroup as the root): the levels that do exist are read."""
-    try:
-        lines = membership.read_text().splitlines()
-    except OSError:
-        lines = []
-    levels: list[tuple[Path, str, str]] = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2: one unified hierarchy
-            levels += _ancestors(mount, path, "memory.max", "memory.current")
-        elif "memory" in controllers.split(","):
-            levels += _ancestors(
-                mount / "memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes"
-            )
-    rooms = []
-    for directory, limit_name, usage_name in levels:
-        try:
-            limit = (directory / limit_name).read_text().strip()
-            if limit == "max" or int(limit) >= _V1_UNLIMITED:
-                continue
-            rooms.append(max(0, int(limit) - int((directory / usage_name).read_text())))
-        except (OSError, ValueError):
-            continue
-    return min(rooms) if rooms else None
-
-
-def _ancestors(root: Path, path: str, limit: str, usage: str) -> list[tuple[Path, str, str]]:
-    """The cgroup directory of `path` under `root` and each directory above it, to the root."""
-    parts = [p for p in path.split("/") if p]
-    return [(root.joinpath(*parts[:n]), limit, usage) for n in range(len(parts), -1, -1)]
 
 
 def check_fits(nbytes: int, slots: int, ctx: int, available: int | None) -> None:
