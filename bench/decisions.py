@@ -22,7 +22,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from mashbox.server import decisions  # noqa: E402
+from mashbox.server import decision_labels, decisions  # noqa: E402
 
 TICKET = (
     "Customer {i} wrote on day {i}: my order number {n} arrived late and the box was damaged. "
@@ -71,7 +71,7 @@ async def one_request(http, state: str, questions: dict) -> dict:
 
 async def chat_prompt(http, state: str, question: dict) -> None:
     q = decisions.parse_question(question, ("q",))
-    labels = [decisions.Label(text, ()) for text in _label_texts(q)]
+    labels = [decision_labels.Label(text, ()) for text in _label_texts(q)]
     messages = [
         {"role": "system", "content": decisions.SYSTEM},
         {"role": "user", "content": state},
