@@ -124,3 +124,5 @@ def test_inside_a_container_the_mount_root_is_its_cgroup(tmp_path):
     )
     assert memory.cgroup_room(mount, membership) == 2 << 30
     assert memory.cgroup_room(mount, tmp_path / "absent") is None
+    (tmp_path / "odd").write_text("garbage\n4:memory:/\n")  # a line it cannot read is skipped
+    assert memory.cgroup_room(mount, tmp_path / "odd") == 2 << 30

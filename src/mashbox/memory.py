@@ -40,6 +40,8 @@ def cgroup_room(
         lines = []
     levels: list[tuple[Path, str, str]] = []
     for line in lines:
+        if line.count(":") < 2:
+            continue
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2: one unified hierarchy
             levels += _ancestors(mount, path, "memory.max", "memory.current")
@@ -68,7 +70,7 @@ def _ancestors(root: Path, path: str, limit: str, usage: str) -> list[tuple[Path
 def host_cache_cap(asked: int, available: int | None, kv_to_come: int) -> int:
     """The RAM prompt cache's cap: `asked`, or half of what the machine can still give once
     the KV cache's pages (`kv_to_come` bytes, taken as slots fill) are all in, if that is less.
-    The cache fills over hours; a cap past the machine's memory ends in the OOM killer."""
+    The cache fills over hours: a cap past the machine's memory would meet the OOM killer."""
     if available is None:
         return asked
     return min(asked, max(0, available - kv_to_come) // 2)
