@@ -352,9 +352,8 @@ def test_a_decision_joins_for_its_prefix_and_is_read_beside_the_streams(tok):
 
 def test_a_long_question_is_written_a_chunk_a_step_then_read(tok):
     """A question longer than a prompt chunk would hold every stream for its whole read: its
-    suffix goes into the slot after the prefix a chunk a step, cut from its own start (the
-    same pieces whatever else is planned), then its last piece and leaves are read. Short
-    questions still go together."""
+    suffix goes into the slot after the prefix a chunk a step, cut from its own start, then
+    its last piece and leaves are read. Short questions still go together."""
     batch = Batch(tok, slots=2, ctx=256, prefill_chunk=16)
     steady = started(batch, tok.encode(PARIS), tok.encode("Paris")[0])
     short = Branch((5, 6, 7), ((1, 2),))
