@@ -190,12 +190,12 @@ class Batch:
         if len(todo[0].token_ids) > piece:
             suffix = todo[0].token_ids
             tail = (len(suffix) - 1) // piece * piece  # where its last piece starts
-            if seq.written < tail:
+            written = len(seq.slot.tokens) - prefix  # its pieces the slot holds
+            if written < tail:
                 if prefills is None:
                     return 0
-                chunk = suffix[seq.written : seq.written + piece]
-                piece_at = prefix + seq.written
-                prefills.append(Prefill(seq.slot.index, piece_at, chunk, False, alone=True))
+                chunk = suffix[written : written + piece]
+                prefills.append(Prefill(seq.slot.index, prefix + written, chunk, False, alone=True))
                 return len(chunk)
             rest = attrs.evolve(todo[0], token_ids=suffix[tail:])
             decides.append(Decide(seq.slot.index, prefix + tail, (rest,)))
@@ -316,10 +316,8 @@ class Batch:
             if seq is None:
                 continue
             self.slots[p.slot].tokens.extend(p.token_ids)
-            if p.start < len(seq.request.prompt_ids):
+            if not p.alone:  # (a long question's piece is not its prompt: `_read`)
                 seq.prefilled += len(p.token_ids)
-            else:  # a piece of a long question's suffix (`_read`)
-                seq.written += len(p.token_ids)
             if p.pool and p.sample:
                 prompt_tokens += len(seq.request.prompt_ids)
                 seq.t_first = seq.t_last = now
@@ -341,7 +339,6 @@ class Batch:
             seq.readings.extend(result.decisions[d.slot])
             # The slot holds the state alone again: the next question's pieces overwrite these.
             del self.slots[d.slot].tokens[len(seq.request.prompt_ids) :]
-            seq.written = 0
             if len(seq.readings) < len(seq.request.branches):
                 continue  # more branches to read, in the next steps
             prompt_tokens += len(seq.request.prompt_ids)

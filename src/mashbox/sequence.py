@@ -51,7 +51,6 @@ class Sequence:
     retried: bool = False  # the one run-again after an engine fault is spent
     # A typed decision's reads so far: one tuple per branch, read a budget of rows a step.
     readings: list = attrs.Factory(list)
-    written: int = 0  # suffix tokens of its next long question in the slot (`Batch._read`)
     pending: int = 0  # tokens sent to be sampled for this sequence, results not yet in
     # One of a request's n choices (n > 1): its index, which tags its events in the channel
     # the choices share, and choice 0, whose prompt it copies once that is prefilled.
@@ -96,7 +95,6 @@ class Sequence:
         self.pending = 0
         self.output_ids.clear()
         self.readings.clear()
-        self.written = 0
         self.unsent_tokens = 0  # (the route resets its own counts on Restarted)
         self.unsent_logprobs.clear()
         self.outbox.clear()
