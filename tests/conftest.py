@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from support import kernel_ladder  # noqa: E402
 from support.serverproc import ServerProcess, serving  # noqa: E402
 from support.tinymodels import build_tiny_llama, build_tiny_qwen2  # noqa: E402
 
@@ -41,6 +42,26 @@ def trained_url(trained_model):
         yield proc.wait_ready(120)
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def fallback_build(tmp_path_factory) -> kernel_ladder.FallbackBuild:
+    """`mashbox kernels` falling from a broken native-avx2 to x86-64-v3, compiled for real in
+    a folder of its own, once a session (support/kernel_ladder.py)."""
+    return kernel_ladder.build_by_falling_back(tmp_path_factory.mktemp("kernels"))
+
+
+@pytest.fixture(scope="session")
+def narrow_kernels(fallback_build):
+    """That build's 256-bit kernels in this process, beside the 512-bit ones it runs; skips
+    where this process's kernels are 256-bit already (or absent)."""
+    from mashbox.engine import cpu_kernels
+
+    if not cpu_kernels.report().isa.startswith("avx512"):
+        pytest.skip("the kernels here are 256-bit only")
+    narrow = fallback_build.load()
+    assert narrow.isa().startswith("avx2"), narrow.isa()
+    return narrow
 
 
 @pytest.fixture(scope="session")

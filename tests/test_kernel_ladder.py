@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 
 import httpx
 import pytest
 import torch
 
 from mashbox.engine import cpu_kernels, kernel_build
+from support.kernel_ladder import BROKEN, CHOSEN, kernels_cmd
 from support.serverproc import serving
 
 LACKS = kernel_build.machine_lacks()
@@ -24,16 +23,6 @@ needs_a_compiler = pytest.mark.skipif(LACKS is not None, reason=f"cannot build h
 def usable_ladder() -> list[kernel_build.Target]:
     flags = kernel_build.cpu()[1]
     return [t for t in kernel_build.LADDER if t.needs <= flags]
-
-
-def kernels_cmd(env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "mashbox.cli", "kernels"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env},
-        timeout=900,
-    )
 
 
 @needs_a_compiler
@@ -71,20 +60,20 @@ def test_the_self_check_passes_the_real_kernels_and_catches_one_wrong_bit():
 @needs_a_compiler
 @pytest.mark.slow
 def test_a_target_that_cannot_build_gives_way_to_the_next_and_is_never_compiled_again(
-    tmp_path, tiny_llama
+    fallback_build, tiny_llama
 ):
-    """native fails to compile (an #error injected through MASHBOX_KERNELS_BREAK, so the real
-    compiler runs and fails); the next target is built and used. A second process, a real
-    server, compiles nothing: the failure is remembered, the next target's build reused."""
-    first, chosen = usable_ladder()[:2]
-    env = {"MASHBOX_KERNELS_DIR": str(tmp_path), "MASHBOX_KERNELS_BREAK": first.name}
-    out = kernels_cmd(env)
+    """native-avx2 fails to compile (an #error injected through MASHBOX_KERNELS_BREAK, so the
+    real compiler runs and fails); the next target, x86-64-v3, is built and used (on the
+    256-bit ladder, so the session's width tests use that build: support/kernel_ladder.py). A
+    second process, a real server, compiles nothing: the failure is remembered, the build
+    reused."""
+    env, out = fallback_build.env, fallback_build.first
     assert out.returncode == 0, out.stdout + out.stderr
     rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("  ")}
-    assert rows[first.name].split()[1] == "failed"
-    assert "a build broken on purpose" in rows[first.name]
-    assert rows[chosen.name].split()[1] == "built"
-    named = ", ".join(f.removeprefix("-march=") for f in kernel_build.flags_for(chosen))
+    assert rows[BROKEN.name].split()[1] == "failed"
+    assert "a build broken on purpose" in rows[BROKEN.name]
+    assert rows[CHOSEN.name].split()[1] == "built"
+    named = ", ".join(f.removeprefix("-march=") for f in kernel_build.flags_for(CHOSEN))
     assert f"({named})" in out.stdout.splitlines()[-1]
 
     with serving(str(tiny_llama), env=env) as server:
@@ -97,8 +86,8 @@ def test_a_target_that_cannot_build_gives_way_to_the_next_and_is_never_compiled_
         assert card["decode_kernels"].endswith(f"({named})")
     again = kernels_cmd(env)
     rows = {line.split()[0]: line for line in again.stdout.splitlines() if line.startswith("  ")}
-    assert rows[first.name].split()[1:3] == ["failed", "before"]
-    assert rows[chosen.name].split()[1] == "cached"
+    assert rows[BROKEN.name].split()[1:3] == ["failed", "before"]
+    assert rows[CHOSEN.name].split()[1] == "cached"
 
 
 @needs_a_compiler
