@@ -86,6 +86,7 @@ def engine(request, tmp_path_factory):
         path, slots=4, ctx=64, decode_weights=kind.removesuffix("-q8"), kv_dtype=kv_dtype
     )
     assert engine.model.decode_stack is not None
+    assert engine.info.batch_invariant  # what the server reports: the promise tested below
     assert engine.cache.k.dtype == (torch.float32 if kv_dtype == "float32" else torch.float16)
     if weight_class is not None:
         assert isinstance(engine.model.layers[0]["w_down"], weight_class)

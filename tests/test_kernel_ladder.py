@@ -84,6 +84,7 @@ def test_a_target_that_cannot_build_gives_way_to_the_next_and_is_never_compiled_
         assert health["decode"].endswith(f"({named})") and health["kernels_fallback"] is None
         card = httpx.get(server.url + "/v1/models").json()["data"][0]
         assert card["decode_kernels"].endswith(f"({named})")
+        assert health["batch_invariant"] is card["batch_invariant"] is True
     again = kernels_cmd(env)
     rows = {line.split()[0]: line for line in again.stdout.splitlines() if line.startswith("  ")}
     assert rows[BROKEN.name].split()[1:3] == ["failed", "before"]
@@ -118,6 +119,7 @@ def test_with_no_target_left_the_server_says_so_loudly(tmp_path, tiny_llama):
         assert health["decode"] == "float"
         card = httpx.get(server.url + "/v1/models").json()["data"][0]
         assert card["decode_kernels"] is None and card["kernels_fallback"]
+        assert health["batch_invariant"] is card["batch_invariant"] is False
         metrics = httpx.get(server.url + "/metrics").text
         assert 'mashbox:cpu_kernels_fallback{model_name="' in metrics
         assert any(

@@ -268,6 +268,7 @@ class EngineInfo:
     decode_weights: str = "float"  # float, int8, int4, int4a16, int4a8, q8_0
     kernels: str = ""  # the CPU kernels decode runs on, e.g. "avx512+vnni (native)"
     kernels_fallback: str = ""  # why decode fell back to torch's ops on a CPU, with the remedy
+    batch_invariant: bool = False  # a row's bits the same alone or in any batch (Model's)
     compiles: int = 0  # programs compiled just in time so far (engine.compiles_so_far)
     disk_key: str = ""  # what the disk cache's files must be made for (disk_cache.disk_key)
     disk_entries: tuple[DiskEntry, ...] = ()  # what --cache-dir holds, least recently used first

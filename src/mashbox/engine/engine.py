@@ -244,6 +244,7 @@ class Engine:
             decode_weights=self.model.decode_kind,
             kernels=kernels.kernels,
             kernels_fallback=kernels.fallback,
+            batch_invariant=self.model.batch_invariant and not fixed_shape,
             compiles=compiles_so_far(),
             disk_key=self.disk.key if self.disk else "",
             disk_entries=self.disk.scan() if self.disk else (),

@@ -322,6 +322,17 @@ class Model:
         return head if isinstance(head, DecodeWeight) and head.kernel is not None else None
 
     @property
+    def batch_invariant(self) -> bool:
+        """Whether a row's results have the same bits alone or in any batch: where its layers,
+        head and attention all run on mashbox's kernels, each output one float32 sum in a
+        fixed order. torch's float matmuls choose their blocking by the number of rows."""
+        return (
+            self.decode_stack is not None
+            and self._kernel_head() is not None
+            and self.attention_kernels is not None
+        )
+
+    @property
     def decode_kind(self) -> str:
         """What decode steps read, the most compact first: "int4" (or "int4a16", "int4a8",
         by what they multiply) if any layer matrix is the file's own 4-bit blocks, "q8_0" if

@@ -34,6 +34,7 @@ def health(state: ServerState, *, draining: bool = False) -> dict:
         "routed_experts": None,  # every supported architecture is dense
         "decode": info.decode if info else None,
         "kernels_fallback": info.kernels_fallback or None if info else None,
+        "batch_invariant": info.batch_invariant if info else None,
         "worker_pid": engine.pid if engine else None,
         "worker_restarts": engine.restarts if engine else 0,
     }
@@ -57,6 +58,7 @@ def model_card(state: ServerState) -> dict:
         "kv_dtype": info.kv_dtype or None if info else None,
         "decode_kernels": info.kernels or None if info else None,
         "kernels_fallback": info.kernels_fallback or None if info else None,
+        "batch_invariant": info.batch_invariant if info else None,
         "prefix_cache": True,
         "slots": state.slots,
         "cache_ram_mib": snap.scheduler.cache_cap_bytes // 2**20 if snap.scheduler else 0,
