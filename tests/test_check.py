@@ -129,7 +129,10 @@ class StubHandler(BaseHTTPRequestHandler):
         if self.path == "/health":
             self._send_json({"status": "ok"}, 503 if self.server.restarting() else 200)
         elif self.path == "/v1/models":
-            self._send_json({"object": "list", "data": [{"id": "stub", "object": "model"}]})
+            card = {"id": "stub", "object": "model"}
+            if self.server.breaks == "crowd":  # and says so, as mashbox on torch's float ops
+                card["batch_invariant"] = False
+            self._send_json({"object": "list", "data": [card]})
         else:
             self._send_json({"error": {"message": "not found"}}, 404)
 
@@ -259,6 +262,9 @@ def test_a_stub_that_breaks_one_case_is_reported_for_exactly_that_case(stub, bro
     if broken == "beside 7 others":
         reference, this_case = re.search(r"reference: (.*)\n\s+this case: (.*)", table).groups()
         assert "(crowded)" in this_case and "(crowded)" not in reference
+        caveat = "the server says batch_invariant: false"
+        assert re.search(rf"alone\s+held\s+{caveat}", table), table
+        assert re.search(rf"beside 7 others\s+FAILED\s+the text differs.*; {caveat}", table)
     if broken == "chat completions":
         assert "stream: the stream does not end with data: [DONE]" in table
 

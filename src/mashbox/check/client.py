@@ -41,6 +41,16 @@ class Server:
             raise Refused(f"/v1/models lists no model: {_quote(body)}")
         return first["id"]
 
+    def model_card(self, model: str) -> dict:
+        """`model`'s entry in /v1/models; {} where there is none or the list cannot be read."""
+        try:
+            body = self._json(self.http.get("/v1/models"))
+        except (NotServed, Refused, httpx.HTTPError):
+            return {}
+        models = body.get("data") if isinstance(body, dict) else None
+        cards = [m for m in models or () if isinstance(m, dict) and m.get("id") == model]
+        return cards[0] if cards else {}
+
     def post(self, path: str, body: dict) -> dict:
         """POST a JSON body; the JSON answer, or NotServed / Refused."""
         return self._json(self.http.post(path, json=body, headers=_route_headers(path)))

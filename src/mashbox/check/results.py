@@ -33,8 +33,10 @@ def failed(note: str, *, problems=(), reference=None, got=None) -> Result:
     return Result(FAILED, note, tuple(problems), reference, got)
 
 
-def same_text(reference: str, got: str, note: str = "") -> Result:
-    """Held when this case's text is the reference's, else FAILED showing both."""
+def same_text(reference: str, got: str, note: str = "", *, why: str = "") -> Result:
+    """Held when this case's text is the reference's, else FAILED showing both (and `why`,
+    where the server itself says it may differ)."""
     if got == reference:
         return held(note)
-    return failed("the text differs from the reference", reference=reference, got=got)
+    differs = "; ".join(filter(None, ("the text differs from the reference", why)))
+    return failed(differs, reference=reference, got=got)
