@@ -158,10 +158,8 @@ def test_the_server_runs_the_cell(cell, matrix_server):
     # Without mashbox's kernels the int4 kinds fall back to torch's int4 kernel.
     fallback = info["kernels_fallback"] and cell.decode_weights.startswith("int4")
     assert info["decode_weights"] == ("int4" if fallback else cell.decode_weights)
-    # Bit for bit alone or beside others only where every matrix runs on mashbox's kernels
-    # (README, "Seeded sampling"): not float, and not the int4 kinds' 400-row Q4 head here,
-    # which is no whole number of the kernels' tiles and so runs on torch's int4 kernel.
-    on_kernels = cell.decode_weights == "int8" and not info["kernels_fallback"]
+    # Bit for bit alone or beside others only on mashbox's kernels (README, "Seeded sampling").
+    on_kernels = cell.decode_weights != "float" and not info["kernels_fallback"]
     assert info["batch_invariant"] is on_kernels
     assert info["cache_ram_mib"] == (CACHE_RAM_MIB if cell.prefix_cache == "on" else 0)
     assert info["slots"] == 2 and info["max_model_len"] == CTX

@@ -62,10 +62,13 @@ def fits(blocks: list[RawBlocks | None]) -> bool:
     if any(b is None or b.qtype not in EXACT_QTYPES for b in blocks):
         return False
     rows = sum(b.data.shape[0] for b in blocks)
+    ours = cpu_kernels.load() is not None
     if any(b.qtype in (*K_QTYPES, *Q5_QTYPES) for b in blocks):
-        return rows % cpu_kernels.TILE == 0 and cpu_kernels.load() is not None
-    # The kernel packs output rows in groups of 16.
-    return rows % 16 == 0
+        return rows % cpu_kernels.TILE == 0 and ours
+    # mashbox's kernels read whole tiles of 32 outputs, torch's int4 kernel groups of 16. On
+    # ours a matrix of 16 past a tile goes int8 (padded to the tile), not to torch's kernel,
+    # whose bits depend on the batch.
+    return rows % (cpu_kernels.TILE if ours else 16) == 0
 
 
 def q4_k_scales(packed: Tensor) -> tuple[Tensor, Tensor]:
