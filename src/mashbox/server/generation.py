@@ -140,8 +140,7 @@ async def encode_prompt(
     tok = state.tokenizer
     if len(text) > state.ctx * tok.max_token_chars:
         raise too_long(
-            f"the {field} is {len(text)} characters: more than a {state.ctx}-token context "
-            "can hold",
+            f"{field}: {len(text)} characters, more than a {state.ctx}-token context can hold",
             field,
         )
     if _tokenizing[tenant] >= MAX_TOKENIZING_PER_TENANT:
