@@ -434,6 +434,31 @@ def test_every_route_says_what_a_seeded_answer_repeats_under(server):
         assert r.json()["system_fingerprint"] == f"seed-11-{deployment}", r.text
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (CHAT, {"messages": [{"role": "user", "content": "Hi"}]}),
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/messages", {"model": "any", "messages": [{"role": "user", "content": "Hi"}]}),
+        ("/v1/responses", {"input": "Hi"}),
+    ],
+)
+def test_a_seed_is_a_signed_64_bit_integer(server, path, body):
+    """Seeds past 64 bits would share their low 64 with another's answer, and a negative one
+    a positive one's: both ends of int64 are answered (and echoed), one past either is a 400
+    in the route's shape naming `seed`, as OpenAI's and vLLM's bounds."""
+    for seed in (-(2**63), 2**63 - 1):
+        r = httpx.post(server.url + path, json={**body, "seed": seed, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["system_fingerprint"].startswith(f"seed-{seed}-")
+    for seed in (-(2**63) - 1, 2**63, 2**70):
+        r = httpx.post(server.url + path, json={**body, "seed": seed, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert "seed must be" in error["message"]
+        if path != "/v1/messages":  # Anthropic's errors have no param
+            assert error["param"] == "seed"
+
+
 def test_sampling_parameters_past_float32s_range_are_answered(server):
     """Fuzzing's find (schemathesis, seed 4747): a temperature of ~1e-309 and a repetition
     penalty of ~1e308, both in the contract's ranges, made the sampler raise in the engine

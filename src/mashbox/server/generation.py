@@ -66,7 +66,7 @@ def sampling_params(body: Body, logprobs: int = -1, *, most_choices: int = 1) ->
     logprobs: -1 none, else the likeliest tokens to report with each sampled one.
     most_choices: the route's bound on `n` (1: it answers one choice)."""
     choice_count(body, most_choices)
-    seed = body.int("seed")
+    seed = body.int("seed", lo=-(2**63), hi=2**63 - 1)  # int64, as OpenAI's and vLLM's
     return SamplingParams(
         temperature=body.number("temperature", 0.0, lo=0, hi=4),
         top_p=body.number("top_p", 1.0, lo=0, hi=1, lo_open=True),
