@@ -46,6 +46,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # (token id, bias) pairs added to those logits before penalties and sampling (OpenAI's).
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int = 0
     # Log-probabilities with each sampled token: -1 none, 0 the sampled token's alone, k also
     # the k likeliest tokens' (the model's log-softmax, before temperature and penalties).

@@ -27,7 +27,7 @@ from . import weights as weights_mod
 from .grammar_mask import GrammarMasks, allowed
 from .kv_cache import KVCache
 from .model import Model
-from .sampling import apply_penalties, finite_rows, log_probs, sample
+from .sampling import apply_logit_bias, apply_penalties, finite_rows, log_probs, sample
 
 log = logging.getLogger("mashbox.engine")
 
@@ -50,7 +50,7 @@ class _SlotState:
             self.matcher is None
             and p.temperature <= 0.0
             and p.repetition_penalty == 1.0
-            and not (p.frequency_penalty or p.presence_penalty)
+            and not (p.frequency_penalty or p.presence_penalty or p.logit_bias)
         )
         self.last: int | None = None  # the token sampled last: what a PREVIOUS decode feeds
 
@@ -454,6 +454,7 @@ class Engine:
 
     def _sample(self, slot: int, logits: torch.Tensor, position: int) -> int:
         state = self.slots[slot]
+        logits = apply_logit_bias(logits, state.params)  # before penalties, as vLLM
         logits = apply_penalties(logits, state.params, state.prompt_mask, state.counts)
         if state.matcher is not None:
             ends = self.grammar_masks.grammars().vocab.eos_tokens

@@ -58,6 +58,17 @@ def _gumbel(u):
 _SPREAD = float(_gumbel(1 - 0.5 / 2**32) - _gumbel(0.5 / 2**32)) + 1e-6
 
 
+def apply_logit_bias(logits: Tensor, params: SamplingParams) -> Tensor:
+    """The request's logit_bias added to its tokens' logits, in float32 (numpy, one thread);
+    the logits as they are where it has none."""
+    if not params.logit_bias:
+        return logits
+    ids, bias = zip(*params.logit_bias, strict=True)
+    x = logits.float().cpu().numpy().copy()
+    x[list(ids)] += np.asarray(bias, dtype=np.float32)
+    return torch.from_numpy(x)
+
+
 def apply_penalties(
     logits: Tensor, params: SamplingParams, prompt_mask: Tensor, counts: Tensor
 ) -> Tensor:

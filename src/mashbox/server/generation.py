@@ -61,10 +61,13 @@ def choice_request(request: Request, index: int) -> Request:
     return attrs.evolve(request, params=params)
 
 
-def sampling_params(body: Body, logprobs: int = -1, *, most_choices: int = 1) -> SamplingParams:
+def sampling_params(
+    body: Body, logprobs: int = -1, *, most_choices: int = 1, vocab_size: int = 0
+) -> SamplingParams:
     """Every sampling field with the seed's ranges; out of range is a 400 naming the field.
     logprobs: -1 none, else the likeliest tokens to report with each sampled one.
-    most_choices: the route's bound on `n` (1: it answers one choice)."""
+    most_choices: the route's bound on `n` (1: it answers one choice). vocab_size: the token
+    ids logit_bias may name."""
     choice_count(body, most_choices)
     seed = body.int("seed", lo=-(2**63), hi=2**63 - 1)  # int64, as OpenAI's and vLLM's
     return SamplingParams(
@@ -75,9 +78,38 @@ def sampling_params(body: Body, logprobs: int = -1, *, most_choices: int = 1) ->
         repetition_penalty=body.number("repetition_penalty", 1.0, lo=0, lo_open=True),
         frequency_penalty=body.number("frequency_penalty", 0.0, lo=-2, hi=2),
         presence_penalty=body.number("presence_penalty", 0.0, lo=-2, hi=2),
+        logit_bias=logit_bias(body, vocab_size),
         seed=random_seed() if seed is None else seed,
         logprobs=logprobs,
     )
+
+
+MAX_LOGIT_BIAS = 300  # tokens one request may bias, as OpenAI's bound
+
+
+def logit_bias(body: Body, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """`logit_bias`: token ids (decimal strings, as JSON keys are) to a number from -100 to
+    100 added to that token's logit (OpenAI's); at most MAX_LOGIT_BIAS of them, each a token
+    of this model's vocabulary. Sorted (id, bias) pairs."""
+    bias = body.object("logit_bias")
+    if bias is None:
+        return ()
+    if len(bias.data) > MAX_LOGIT_BIAS:
+        raise bad_request(
+            f"logit_bias holds {len(bias.data)} tokens; at most {MAX_LOGIT_BIAS}", "logit_bias"
+        )
+    pairs = {}
+    for key, value in bias.data.items():
+        if not (key.isascii() and key.isdigit() and len(key) < 10 and int(key) < vocab_size):
+            last = vocab_size - 1
+            why = f"{key[:20]!r} is not a token id of this model (0 to {last})"
+            raise bad_request(f"logit_bias: {why}", "logit_bias")
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (number and -100 <= value <= 100):  # NaN too
+            why = f"logit_bias[{key!r}] must be a number from -100 to 100"
+            raise bad_request(why, "logit_bias")
+        pairs[int(key)] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 def _top_k(body: Body) -> int:
@@ -168,6 +200,12 @@ def prompt_field(body: Body) -> str:
     return next((k for k in ("messages", "input", "prompt") if k in body.data), "messages")
 
 
+def biasable_tokens(state: ServerState) -> int:
+    """How many token ids logit_bias may name: the tokenizer's, within the model's logits."""
+    info = state.info
+    return min(state.tokenizer.vocab_size, info.vocab_size if info else 2**31)
+
+
 def build_request(
     body: Body,
     state: ServerState,
@@ -187,7 +225,9 @@ def build_request(
         )
     return Request(
         prompt_ids=tuple(prompt_ids),
-        params=sampling_params(body, logprobs, most_choices=most_choices),
+        params=sampling_params(
+            body, logprobs, most_choices=most_choices, vocab_size=biasable_tokens(state)
+        ),
         max_tokens=max_new_tokens(body, len(prompt_ids), state.ctx),
         stop=stop_strings(body),
         tenant=tenant,
