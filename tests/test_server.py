@@ -257,6 +257,12 @@ def test_stop_string_cuts_the_text(server):
         ("stop", ["ok", ""]),
         ("stream", "yes"),
         ("response_format", {"type": "xml"}),  # json_object, json_schema: test_structured.py
+        # What a text model here cannot give is refused, not silently left out:
+        ("modalities", ["text", "audio"]),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("functions", [{"name": "f", "parameters": {"type": "object"}}]),  # tools, not these
+        ("function_call", "auto"),
+        ("reasoning_effort", 3),
     ],
 )
 def test_bad_fields_are_400_naming_the_field(server, field, value):
@@ -265,6 +271,24 @@ def test_bad_fields_are_400_naming_the_field(server, field, value):
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert field in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("echo", True), ("suffix", " and so on."), ("best_of", 3), ("logprobs", 6)],
+)
+def test_completions_fields_it_does_not_do_are_400_naming_them(server, field, value):
+    body = {"prompt": "Once upon a time", "max_tokens": 2, field: value}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_completions_fields_that_ask_for_nothing_more_are_fine(server):
+    quiet = {"echo": False, "suffix": "", "best_of": 2, "n": 2, "modalities": ["text"]}
+    body = {"prompt": "Once upon a time", "max_tokens": 2, **quiet}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
 
 
 def test_malformed_requests(server):

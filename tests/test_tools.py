@@ -54,6 +54,26 @@ def test_chat_tool_call_with_and_without_thinking(oai, think):
     assert reasoning == (THOUGHT if think else None)
 
 
+@pytest.mark.parametrize(
+    ("effort", "think"), [("high", True), ("low", True), ("minimal", False), ("none", False)]
+)
+def test_chat_reasoning_effort_turns_thinking_on_as_responses_does(oai, effort, think):
+    """OpenAI's reasoning_effort (the SDK's own field) is read as Responses' reasoning.effort:
+    any value but none or minimal thinks; enable_thinking, where given, wins."""
+    r = oai.chat.completions.create(
+        model="trained.gguf", messages=WEATHER_Q, tools=TOOLS, max_tokens=80,
+        reasoning_effort=effort,
+    )  # fmt: skip
+    reasoning = r.choices[0].message.model_extra.get("reasoning_content")
+    assert reasoning == (THOUGHT if think else None)
+    r = oai.chat.completions.create(
+        model="trained.gguf", messages=WEATHER_Q, tools=TOOLS, max_tokens=80,
+        reasoning_effort=effort, extra_body=thinking(not think),
+    )  # fmt: skip
+    reasoning = r.choices[0].message.model_extra.get("reasoning_content")
+    assert reasoning == (None if think else THOUGHT)
+
+
 def test_chat_stream_carries_reasoning_and_whole_tool_calls(oai):
     stream = oai.chat.completions.create(
         model="trained.gguf", messages=WEATHER_Q, tools=TOOLS, max_tokens=80, stream=True,

@@ -138,10 +138,26 @@ def chat_tool_choice(body: Body) -> ToolChoice:
 
 
 def thinking_requested(body: Body) -> bool:
+    """enable_thinking (chat_template_kwargs' first); else OpenAI's reasoning_effort, read
+    as Responses' reasoning.effort: any value but none or minimal turns thinking on."""
     kwargs = body.object("chat_template_kwargs")
     if kwargs is not None and kwargs.has("enable_thinking"):
         return kwargs.bool("enable_thinking")
-    return body.bool("enable_thinking", False)
+    if body.has("enable_thinking"):
+        return body.bool("enable_thinking")
+    effort = body.str("reasoning_effort")
+    return effort is not None and effort not in ("none", "minimal")
+
+
+def refuse_what_text_cannot(body: Body) -> None:
+    """Fields that ask for what a text model here cannot give: a 400, not an answer that
+    silently lacks it."""
+    modalities = body.list("modalities") or []
+    if any(m != "text" for m in modalities):
+        raise bad_request("modalities: this model writes text only", "modalities")
+    body.refuse("audio", "this model writes text only")
+    body.refuse("functions", "use tools (OpenAI's deprecated functions are not read)")
+    body.refuse("function_call", "use tool_choice (with tools)")
 
 
 def logprobs_asked(body: Body) -> int:
@@ -195,6 +211,7 @@ def tool_call_dict(call: ToolCall) -> dict:
 
 async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     check_model(body, state)
+    refuse_what_text_cannot(body)
     top = logprobs_asked(body)
     tools, choice = chat_tools(body), chat_tool_choice(body)
     answer = structured.answer_schema(body.object("response_format"), "response_format")

@@ -38,10 +38,23 @@ def completion_prompt(body: Body) -> str:
     return prompt
 
 
+def refuse_what_is_not_done(body: Body, n: int) -> None:
+    """OpenAI's completions fields mashbox does not do: a 400, not an answer without them."""
+    if body.bool("echo", False):
+        raise bad_request("echo is not supported: the answer never repeats the prompt", "echo")
+    if body.str("suffix"):
+        raise bad_request(
+            "suffix is not supported: the models here write after the prompt", "suffix"
+        )
+    if body.int("best_of", n) != n:
+        raise bad_request("best_of is not supported: n asks for several choices", "best_of")
+
+
 async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     check_model(body, state)
     top = body.int("logprobs", lo=0, hi=MAX_LOGPROBS)  # None: none asked for
     n = choice_count(body, MAX_CHOICES)
+    refuse_what_is_not_done(body, n)
     ids = await encode_prompt(state, completion_prompt(body), "prompt", tenant=tenant)
     request = build_request(
         body, state, ids, tenant, logprobs=-1 if top is None else top, most_choices=MAX_CHOICES
