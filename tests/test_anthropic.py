@@ -140,6 +140,9 @@ def test_history_with_tool_use_and_results(client):
          "thinking"),
         ({"messages": [{"role": "user", "content": "x"}],
           "tool_choice": {"type": "tool", "name": "absent"}}, "absent"),
+        ({"messages": [{"role": "user", "content": "x"}],  # tools that run at Anthropic
+          "mcp_servers": [{"type": "url", "url": "https://x.example", "name": "x"}]},
+         "mcp_servers"),
     ],
 )  # fmt: skip
 def test_bad_requests_get_anthropic_errors(server, body, needle):

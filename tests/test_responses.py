@@ -99,6 +99,10 @@ def test_items_and_echoed_fields(client):
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "temperature": -1}, "temperature"),
         ({}, "input"),
+        # Nothing is stored here: what leans on stored state would be answered without it.
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation"),
+        ({"input": "x", "background": True}, "background"),
     ],
 )  # fmt: skip
 def test_bad_requests_are_400_naming_the_field(server, body, field):

@@ -208,6 +208,8 @@ def strict_tools(body: Body) -> set[str]:
 
 
 def prompt_of(state: ServerState, body: Body) -> chat.ChatPrompt:
+    # Anthropic's MCP connector runs the servers' tools at Anthropic, as server tools do.
+    body.refuse("mcp_servers", "MCP servers' tools run at Anthropic; only client tools run here")
     return chat.render(
         state,
         messages_of(body),

@@ -27,9 +27,20 @@ from .token_logprobs import openai_entries
 from .validate import Body
 
 
+def refuse_stored_state(body: Body) -> None:
+    """Nothing is stored here (`store` is accepted and ignored, as seed 000 says): a request
+    that leans on an earlier response, a conversation or a background run would be answered
+    without it, so it is a 400. Codex sends the whole conversation each turn."""
+    stateless = "responses are not stored here: send the whole conversation in input"
+    body.refuse("previous_response_id", stateless)
+    body.refuse("conversation", stateless)
+    body.refuse("background", "every response is answered in its own request here")
+
+
 async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     # Seed 000: "Accepted for compatibility; the server answers with the one model it runs."
     # Codex sends whatever its config names.
+    refuse_stored_state(body)
     top = logprobs_asked(body)
     toolbox = Toolbox(body.list("tools"))
     choice = tool_choice_of(body)

@@ -1,6 +1,6 @@
 """What a Responses request asks for: its input items as chat messages, and its tools
-(function, custom, namespace; hosted tools refused) flattened for the model, with the way back
-from a model's call to the item the client expects."""
+(function, custom, namespace; hosted tools dropped, as seed 000 says) flattened for the
+model, with the way back from a model's call to the item the client expects."""
 
 from __future__ import annotations
 
