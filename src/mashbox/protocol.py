@@ -50,7 +50,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int = 0
     # Log-probabilities with each sampled token: -1 none, 0 the sampled token's alone, k also
-    # the k likeliest tokens' (the model's log-softmax, before temperature and penalties).
+    # the k likeliest tokens' (the model's log-softmax, before temperature, bias, penalties).
     logprobs: int = -1
     # An llguidance grammar (text/constraint.py) the answer must follow; "" for none.
     grammar: str = ""
