@@ -5,16 +5,19 @@ so the server's modules are imported only once the process is spawned."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
 
 import trio
 
-from . import registry
+from . import open_files, registry
 from .options import ServeOptions
 from .server.security import Guard, KeyFileError, read_key_file, tenant_of_unnamed
 from .worker_client import WorkerProcess
+
+log = logging.getLogger("mashbox")
 
 # Connections the kernel holds before they are accepted: a burst of clients past it (the
 # 256-request queue filling at once) would otherwise see resets.
@@ -44,6 +47,20 @@ def bind(host: str, port: int, stall_timeout: float) -> socket.socket:
     sock.listen(BACKLOG)
     sock.set_inheritable(True)
     return sock
+
+
+def limit_open_files() -> None:
+    """As many descriptors as the system allows (open_files.py); a WARNING where that is
+    still few, since each connection holds one."""
+    before, after = open_files.raise_limit()
+    if after > before:
+        log.info("open files: up to %d (the soft limit was %d)", after, before)
+    if after < open_files.LOW:
+        log.warning(
+            "open files: at most %d, so about that many connections at once, slow ones "
+            "included; raise the hard limit (ulimit -Hn, LimitNOFILE=) to serve more",
+            after,
+        )
 
 
 def make_guard(opts: ServeOptions) -> Guard:
@@ -77,6 +94,7 @@ def run(model: str, opts: ServeOptions) -> int:
     try:
         guard = make_guard(opts)
         ref = registry.resolve(model)
+        limit_open_files()
         sock = bind(opts.host, opts.port, opts.stall_timeout)
         # The engine process imports torch while this one imports the server and finds the
         # weights.

@@ -14,6 +14,7 @@ from werkzeug.exceptions import HTTPException
 from . import (
     anthropic_api,
     chat_ws,
+    connections,
     driver,
     embeddings_api,
     openai_chat,
@@ -47,7 +48,7 @@ async def _json_body():
     content_type = request.mimetype or ""
     if content_type != "application/json":
         raise ApiError(415, "the body must be JSON (Content-Type: application/json)")
-    return parse_json(await read_body(request, MAX_BODY_BYTES))
+    return parse_json(await read_body(request, MAX_BODY_BYTES, connections.stall_timeout()))
 
 
 def create_app(state: ServerState, *, ui: bool = False, drain: Drain | None = None) -> QuartTrio:
@@ -56,7 +57,7 @@ def create_app(state: ServerState, *, ui: bool = False, drain: Drain | None = No
     drain = drain or Drain()
     app = QuartTrio("mashbox")
     app.config["RESPONSE_TIMEOUT"] = None  # quart's 60 s default would cut long streams
-    app.config["BODY_TIMEOUT"] = 60
+    app.config["BODY_TIMEOUT"] = None  # read_body bounds each wait for bytes instead
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
 
     @app.errorhandler(ApiError)

@@ -11,6 +11,8 @@ import json
 import sys
 import zlib
 
+import trio
+
 from .errors import ApiError
 
 if sys.version_info >= (3, 14):
@@ -19,12 +21,23 @@ else:
     from backports.zstd import ZstdDecompressor, ZstdError
 
 
-async def read_body(request, cap: int) -> bytes:
+async def read_body(request, cap: int, stall: float) -> bytes:
     """The body's bytes, decoded per Content-Encoding; 413 past `cap`, 415 for an encoding
-    this server does not know, 400 for a corrupt one."""
-    raw = await request.get_data(cache=False)
-    if len(raw) > cap:
-        raise ApiError(413, f"the body is larger than {cap} bytes")
+    this server does not know, 400 for a corrupt one, 408 once no bytes came for `stall`
+    seconds: a client that sends slowly is read to the end, however long it takes, and one
+    that stops holds its connection (a descriptor) no longer than that."""
+    raw, chunks = bytearray(), aiter(request.body)
+    while True:
+        with trio.move_on_after(stall) as waiting:
+            try:
+                raw += await anext(chunks)
+            except StopAsyncIteration:
+                break
+        if waiting.cancelled_caught:
+            raise ApiError(408, f"the body stalled: no bytes came for {stall:g} s")
+        if len(raw) > cap:
+            raise ApiError(413, f"the body is larger than {cap} bytes")
+    raw = bytes(raw)
     encoding = (request.headers.get("content-encoding") or "identity").strip().lower()
     if encoding == "identity":
         return raw

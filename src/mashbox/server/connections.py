@@ -98,6 +98,11 @@ async def _run_connection(self) -> None:
         nursery.cancel_scope.cancel()
 
 
+def stall_timeout() -> float:
+    """Seconds a connection may move nothing, either way, while a request is on it."""
+    return _stall_timeout
+
+
 def install(stall_timeout: float) -> None:
     """Patch hypercorn's per-connection task (idempotent); say so loudly where this platform
     cannot measure a stalled reader at the transport."""

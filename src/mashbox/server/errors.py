@@ -11,6 +11,7 @@ _ANTHROPIC_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     413: "request_too_large",
     415: "invalid_request_error",
     429: "rate_limit_error",
