@@ -170,3 +170,23 @@ def test_both_vector_widths_give_the_same_bits(long_engine, narrow_kernels, monk
     finally:
         model.decode_stack = stack
     assert torch.equal(got, wide) and torch.equal(k2, k) and torch.equal(v2, v)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4a16"])
+def test_a_prompts_bits_do_not_depend_on_its_prefill_chunks(tiny_llama, kind):
+    """Where the engine says batch_invariant, `--prefill-chunk` need not be part of the
+    answers id (system_fingerprint): a prompt prefilled 256 rows at a time or 48 writes the
+    same keys and values, to the bit, and ends in the same hidden state."""
+    engine = Engine(tiny_llama, slots=2, ctx=1024, decode_weights=kind)
+    assert engine.info.batch_invariant
+    prompt = [(i * 37) % 380 + 10 for i in range(700)]
+    last = []
+    for slot, chunk in enumerate((256, 48)):
+        for start in range(0, len(prompt), chunk):
+            ids = torch.tensor(prompt[start : start + chunk])
+            hidden = engine.model.prefill(engine.cache, slot, start, ids)
+        last.append(hidden)
+    n = len(prompt)
+    assert torch.equal(last[0], last[1])
+    assert torch.equal(engine.cache.k[:, 0, :, :n], engine.cache.k[:, 1, :, :n])
+    assert torch.equal(engine.cache.v[:, 0, :, :n], engine.cache.v[:, 1, :, :n])
