@@ -3,6 +3,7 @@ cancellation on close, authentication at the handshake, foreign Origin refused."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -169,3 +170,41 @@ def test_a_compressed_frame_is_never_inflated_past_the_cap(server):
     with connect(ws_url(server.url)) as ws:
         ws.send(json.dumps(REQUEST))
         assert json.loads(ws.recv(timeout=60))["object"] == "chat.completion"
+
+
+@pytest.fixture(scope="module")
+def two_tenant_server(tiny_llama, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("ws-keys") / "keys"
+    keys.write_text("ws-a tenant-a\nws-b tenant-b\n")
+    proc = ServerProcess(str(tiny_llama), "--ctx", "256", "--api-key-file", str(keys))
+    try:
+        proc.wait_ready(120)
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_one_tenant_holds_a_bounded_number_of_sockets(two_tenant_server):
+    """Each open socket holds a descriptor and its tasks, idle or not: past 32 a tenant's
+    handshake is a 429, another tenant's is not, and closing one makes room again."""
+    url = ws_url(two_tenant_server.url)
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(connect(url + "?token=ws-a")) for _ in range(32)]
+        with pytest.raises(InvalidStatus) as refused, connect(url + "?token=ws-a"):
+            pass
+        assert refused.value.response.status_code == 429
+        assert b"32 of your WebSockets are open" in refused.value.response.body
+        with connect(url + "?token=ws-b") as other:
+            other.send(json.dumps(REQUEST))
+            assert json.loads(other.recv(timeout=60))["object"] == "chat.completion"
+        sockets.pop().close()
+        deadline = time.monotonic() + 10
+        while True:  # the server notices the close a moment later
+            try:
+                with connect(url + "?token=ws-a") as again:
+                    again.send(json.dumps(REQUEST))
+                    assert json.loads(again.recv(timeout=60))["object"] == "chat.completion"
+                break
+            except InvalidStatus:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)

@@ -3,7 +3,8 @@
 Each text frame is a chat request; a non-streamed reply is one ChatCompletion frame, a
 streamed one is chunk frames then "[DONE]", an error an error frame. Several requests may be
 in flight on one socket (replies interleave; each frame carries its response id), at most
-MAX_IN_FLIGHT; closing the socket cancels them. Each frame passes the HTTP body's checks,
+MAX_IN_FLIGHT, and one tenant holds at most MAX_SOCKETS_PER_TENANT sockets open (a 429 at the
+handshake past it); closing the socket cancels them. Each frame passes the HTTP body's checks,
 and whatever one frame does ends in an error frame for it alone, never its siblings. The
 handshake authenticates with `?token=` or `Sec-WebSocket-Protocol: bearer, TOKEN` (handshake
 only) and refuses a foreign Origin.
@@ -11,6 +12,7 @@ only) and refuses a foreign Origin.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -31,6 +33,10 @@ log = logging.getLogger("mashbox")
 
 ROUTE = "/v1/chat/completions/ws"  # what its requests' log lines name
 MAX_IN_FLIGHT = 8  # requests one socket may have running at once
+# Sockets one tenant may hold open (a chat page needs one): each holds a descriptor and its
+# tasks for as long as it stays open, idle or not.
+MAX_SOCKETS_PER_TENANT = 32
+_open_sockets: collections.Counter[str] = collections.Counter()
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # one frame's message, inflated (an HTTP body's cap)
 
 
@@ -92,6 +98,17 @@ async def serve(state: ServerState) -> None:
     except ApiError as exc:
         # Refused before the upgrade: an ordinary HTTP answer (401 or 403).
         raise exc from None
+    if _open_sockets[tenant] >= MAX_SOCKETS_PER_TENANT:
+        held = f"{MAX_SOCKETS_PER_TENANT} of your WebSockets are open: close one first"
+        raise ApiError(429, held, headers={"Retry-After": "1"})
+    _open_sockets[tenant] += 1
+    try:
+        await _serve_socket(state, ws, headers, tenant)
+    finally:
+        _open_sockets[tenant] -= 1
+
+
+async def _serve_socket(state: ServerState, ws, headers: dict, tenant: str) -> None:
     bearer = [p for p in ws.requested_subprotocols if p.lower() == "bearer"]
     await ws.accept(subprotocol="bearer" if bearer else None)
     send_lock = trio.Lock()
