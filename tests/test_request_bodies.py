@@ -90,12 +90,12 @@ def test_stalled_bodies_past_the_soft_descriptor_limit_leave_room_for_others(tin
     held = []
     try:
         url = proc.wait_ready(120)
-        assert any("open files: up to" in line and "was 256" in line for line in proc.lines)
         for _ in range(300):
             held.append(send_head(url, "/v1/chat/completions", 1000))
             held[-1].sendall(b"{")
         r = httpx.post(url + "/v1/chat/completions", json=CHAT_BODY, timeout=20)
         assert r.status_code == 200, r.text
+        assert any("open files: up to" in line and "was 256" in line for line in proc.lines)
     finally:
         for sock in held:
             sock.close()
