@@ -284,6 +284,12 @@ def test_completions_fields_it_does_not_do_are_400_naming_them(server, field, va
     assert r.json()["error"]["param"] == field
 
 
+def test_chat_fields_that_ask_for_nothing_more_are_fine(server):
+    quiet = {"functions": [], "function_call": None, "audio": None, "modalities": ["text"]}
+    r = httpx.post(server.url + CHAT, json=chat_body(**quiet), timeout=30)
+    assert r.status_code == 200, r.text
+
+
 def test_completions_fields_that_ask_for_nothing_more_are_fine(server):
     quiet = {"echo": False, "suffix": "", "best_of": 2, "n": 2, "modalities": ["text"]}
     body = {"prompt": "Once upon a time", "max_tokens": 2, **quiet}

@@ -80,9 +80,10 @@ class Body:
         return value
 
     def refuse(self, name: str, why: str) -> None:
-        """400 when a field that mashbox does not support is set (null and false are fine)."""
+        """400 when a field that mashbox does not support is set (null, false and empty ask
+        for nothing: some clients send `functions: []`)."""
         value = self.data.get(name)
-        if value is not None and value is not False:
+        if value is not None and value is not False and value not in ("", [], {}):
             raise bad_request(f"{name} is not supported: {why}", name)
 
 
