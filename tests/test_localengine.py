@@ -3,6 +3,7 @@ embeddings; each GET validated against the seed's schemas."""
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 import anthropic
 import httpx
 import jsonschema
+import numpy as np
+import openai
 import pytest
 import trio
 
@@ -100,6 +103,22 @@ async def test_embeddings_do_not_depend_on_the_batch(server):
     assert data[0]["embedding"] == alone == data[2]["embedding"]
 
 
+def test_the_official_sdk_gets_its_default_base64_vectors(server):
+    """openai-python asks for base64 unless told otherwise, and decodes it: past seed 001's
+    float only, the same vector as float32 (the float form's float64 values, rounded)."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    text = "Paris is the capital of France."
+    default = client.embeddings.create(model="tiny-llama.gguf", input=[text, "The sea."])
+    floats = embed(server.url, [text, "The sea."]).json()["data"]
+    for got, want in zip(default.data, floats, strict=True):
+        assert got.embedding == [float(np.float32(x)) for x in want["embedding"]]
+    raw = httpx.post(
+        server.url + "/v1/embeddings", json={"input": text, "encoding_format": "base64"}
+    ).json()["data"][0]["embedding"]
+    decoded = np.frombuffer(base64.b64decode(raw), dtype="<f4")
+    assert decoded.tolist() == default.data[0].embedding
+
+
 @pytest.mark.parametrize(
     ("body", "status", "field"),
     [
@@ -109,7 +128,7 @@ async def test_embeddings_do_not_depend_on_the_batch(server):
         ({"input": []}, 400, "input"),
         ({"input": ""}, 200, None),  # the BOS token alone (this vocabulary adds one)
         ({"input": "x", "dimensions": 8}, 400, "dimensions"),
-        ({"input": "x", "encoding_format": "base64"}, 400, "encoding_format"),
+        ({"input": "x", "encoding_format": "float16"}, 400, "encoding_format"),
         ({"input": "x", "encoding_format": "float"}, 200, None),
     ],
 )

@@ -9,6 +9,9 @@ a bounded number of inputs and tokens, all tokenized off the event loop.
 
 from __future__ import annotations
 
+import base64
+import struct
+
 import trio
 
 from ..events import Embedding, Failed, Finished, Request
@@ -20,6 +23,16 @@ from .state import ServerState
 from .validate import Body
 
 MAX_INPUTS = 2048  # OpenAI's bound
+
+
+def _base64(vector) -> str:
+    """OpenAI's base64 encoding: the vector's float32 values, little-endian."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+# The official OpenAI SDKs ask for base64 unless told otherwise (and decode it back), past
+# seed 001's "float only"; float is the vector's float64 values as JSON numbers.
+ENCODINGS = {"float": list, "base64": _base64}
 MAX_TOKENS = 300_000  # tokens of all inputs of one request (OpenAI's bound)
 
 
@@ -45,8 +58,9 @@ async def embeddings(state: ServerState, data, headers, tenant: str = "") -> dic
         raise bad_request(
             "dimensions is not supported: vectors have the model's width", "dimensions"
         )
-    if body.raw("encoding_format", "float") != "float":
-        raise bad_request("encoding_format: only float is supported", "encoding_format")
+    encoding = body.raw("encoding_format", "float")
+    if encoding not in ENCODINGS:
+        raise bad_request("encoding_format must be float or base64", "encoding_format")
     texts = inputs_of(body)
     ids: list[list[int]] = []
     total = 0
@@ -96,7 +110,8 @@ async def embeddings(state: ServerState, data, headers, tenant: str = "") -> dic
     return {
         "object": "list",
         "data": [
-            {"object": "embedding", "index": i, "embedding": list(v)} for i, v in enumerate(vectors)
+            {"object": "embedding", "index": i, "embedding": ENCODINGS[encoding](v)}
+            for i, v in enumerate(vectors)
         ],
         "model": state.model_id,
         "usage": {"prompt_tokens": n, "total_tokens": n},
