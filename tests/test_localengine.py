@@ -129,6 +129,7 @@ def test_the_official_sdk_gets_its_default_base64_vectors(server):
         ({"input": ""}, 200, None),  # the BOS token alone (this vocabulary adds one)
         ({"input": "x", "dimensions": 8}, 400, "dimensions"),
         ({"input": "x", "encoding_format": "float16"}, 400, "encoding_format"),
+        ({"input": "x", "encoding_format": {}}, 400, "encoding_format"),  # schemathesis' find
         ({"input": "x", "encoding_format": "float"}, 200, None),
     ],
 )

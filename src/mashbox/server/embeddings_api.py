@@ -59,7 +59,7 @@ async def embeddings(state: ServerState, data, headers, tenant: str = "") -> dic
             "dimensions is not supported: vectors have the model's width", "dimensions"
         )
     encoding = body.raw("encoding_format", "float")
-    if encoding not in ENCODINGS:
+    if not isinstance(encoding, str) or encoding not in ENCODINGS:  # {} is unhashable
         raise bad_request("encoding_format must be float or base64", "encoding_format")
     texts = inputs_of(body)
     ids: list[list[int]] = []
