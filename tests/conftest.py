@@ -52,14 +52,14 @@ def fallback_build(tmp_path_factory) -> kernel_ladder.FallbackBuild:
 
 
 @pytest.fixture(scope="session")
-def narrow_kernels(fallback_build):
+def narrow_kernels(request):
     """That build's 256-bit kernels in this process, beside the 512-bit ones it runs; skips
-    where this process's kernels are 256-bit already (or absent)."""
+    where this process's kernels are 256-bit already (or absent), before building."""
     from mashbox.engine import cpu_kernels
 
     if not cpu_kernels.report().isa.startswith("avx512"):
         pytest.skip("the kernels here are 256-bit only")
-    narrow = fallback_build.load()
+    narrow = request.getfixturevalue("fallback_build").load()
     assert narrow.isa().startswith("avx2"), narrow.isa()
     return narrow
 

@@ -23,6 +23,7 @@ from .state import ServerState
 from .validate import Body
 
 MAX_INPUTS = 2048  # OpenAI's bound
+MAX_TOKENS = 300_000  # tokens of all inputs of one request (OpenAI's bound)
 
 
 def _base64(vector) -> str:
@@ -33,7 +34,6 @@ def _base64(vector) -> str:
 # The official OpenAI SDKs ask for base64 unless told otherwise (and decode it back), past
 # seed 001's "float only"; float is the vector's float64 values as JSON numbers.
 ENCODINGS = {"float": list, "base64": _base64}
-MAX_TOKENS = 300_000  # tokens of all inputs of one request (OpenAI's bound)
 
 
 def inputs_of(body: Body) -> list[str]:
