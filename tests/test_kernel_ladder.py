@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from unittest import mock
 
 import httpx
 import pytest
@@ -101,12 +102,8 @@ def test_with_no_target_left_the_server_says_so_loudly(tmp_path, tiny_llama):
         "MASHBOX_KERNELS_DIR": str(tmp_path),
         "MASHBOX_KERNELS_BREAK": ",".join(t.name for t in ladder),
     }
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):
         first = kernel_build.directory(ladder[0], kernel_build.flags_for(ladder[0]))
-    finally:
-        for key in env:
-            del os.environ[key]
     first.mkdir(parents=True)
     (first / "lock").write_text("")  # torch's baton, as a killed build leaves it
 

@@ -7,11 +7,11 @@ it for real. test_kernel_ladder checks that walk; the width tests (the same bits
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import attrs
 
@@ -38,7 +38,7 @@ class FallbackBuild:
 
     def load(self):
         """The built module, imported into this process (its self-check runs again)."""
-        with _environ(self.env):
+        with mock.patch.dict(os.environ, self.env):
             attempt, module = cpu_kernels._try(CHOSEN)
         assert module is not None, attempt
         return module
@@ -51,17 +51,3 @@ def build_by_falling_back(folder: Path) -> FallbackBuild:
         "MASHBOX_KERNELS_BREAK": BROKEN.name,
     }
     return FallbackBuild(env, kernels_cmd(env))
-
-
-@contextlib.contextmanager
-def _environ(env: dict[str, str]):
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = value

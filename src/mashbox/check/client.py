@@ -32,11 +32,16 @@ class Server:
     def close(self) -> None:
         self.http.close()
 
-    def first_model(self) -> str:
-        """The first id in /v1/models: what a client that names no model would use."""
+    def _models(self) -> tuple[object, list]:
+        """/v1/models' answer, and its `data` list ([] where it has none)."""
         body = self._json(self.http.get("/v1/models"))
         models = body.get("data") if isinstance(body, dict) else None
-        first = models[0] if isinstance(models, list) and models else None
+        return body, models if isinstance(models, list) else []
+
+    def first_model(self) -> str:
+        """The first id in /v1/models: what a client that names no model would use."""
+        body, models = self._models()
+        first = models[0] if models else None
         if not isinstance(first, dict) or not isinstance(first.get("id"), str):
             raise Refused(f"/v1/models lists no model: {_quote(body)}")
         return first["id"]
@@ -44,11 +49,10 @@ class Server:
     def model_card(self, model: str) -> dict:
         """`model`'s entry in /v1/models; {} where there is none or the list cannot be read."""
         try:
-            body = self._json(self.http.get("/v1/models"))
+            _, models = self._models()
         except (NotServed, Refused, httpx.HTTPError):
             return {}
-        models = body.get("data") if isinstance(body, dict) else None
-        cards = [m for m in models or () if isinstance(m, dict) and m.get("id") == model]
+        cards = [m for m in models if isinstance(m, dict) and m.get("id") == model]
         return cards[0] if cards else {}
 
     def post(self, path: str, body: dict) -> dict:

@@ -40,12 +40,8 @@ def completion_prompt(body: Body) -> str:
 
 def refuse_what_is_not_done(body: Body, n: int) -> None:
     """OpenAI's completions fields mashbox does not do: a 400, not an answer without them."""
-    if body.bool("echo", False):
-        raise bad_request("echo is not supported: the answer never repeats the prompt", "echo")
-    if body.str("suffix"):
-        raise bad_request(
-            "suffix is not supported: the models here write after the prompt", "suffix"
-        )
+    body.refuse("echo", "the answer never repeats the prompt")
+    body.refuse("suffix", "the models here write after the prompt")
     if body.int("best_of", n) != n:
         raise bad_request("best_of is not supported: n asks for several choices", "best_of")
 
