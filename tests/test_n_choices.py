@@ -338,3 +338,114 @@ def test_n_out_of_range_is_400_naming_it(choices_server, route, n):
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == "n"
     assert "n must" in error["message"]
+
+
+# --- completions' list of prompts: n choices of each, each prompt as alone --------------------
+
+PROMPTS = ["Once upon a time, by the sea,", "The ships came home", "Far away, the hills"]
+
+
+def completions(url: str, prompt, n: int = 1, **extra) -> dict:
+    body = {"prompt": prompt, "n": n, "seed": SEED, "temperature": 1, "max_tokens": 8} | extra
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_each_prompt_of_a_list_is_answered_as_alone(client):
+    r = client.completions.create(
+        model="tiny-llama.gguf", prompt=PROMPTS, n=2, seed=SEED, temperature=1, max_tokens=8
+    )
+    assert [c.index for c in r.choices] == list(range(6))  # prompt i's choice j: 2 * i + j
+    alone = [
+        client.completions.create(
+            model="tiny-llama.gguf", prompt=p, n=2, seed=SEED, temperature=1, max_tokens=8
+        )
+        for p in PROMPTS
+    ]
+    assert [c.text for c in r.choices] == [c.text for a in alone for c in a.choices]
+    assert len({c.text for c in r.choices}) > 2
+    # OpenAI's count: each prompt once, every choice's completion tokens.
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+
+def test_token_id_prompts_are_taken_as_they_are(choices_server, tiny_llama):
+    tok = Tokenizer.from_gguf(tiny_llama)
+    ids = [tok.encode(p, add_bos=tok.add_bos) for p in PROMPTS[:2]]
+    url = choices_server.url
+    as_text = completions(url, PROMPTS[:2])
+    as_ids = completions(url, ids)
+    assert [c["text"] for c in as_ids["choices"]] == [c["text"] for c in as_text["choices"]]
+    assert as_ids["usage"]["prompt_tokens"] == sum(map(len, ids))
+    one = completions(url, ids[1])  # one prompt's token ids, not a list of them
+    assert one["choices"][0]["text"] == as_ids["choices"][1]["text"]
+    assert one["usage"]["prompt_tokens"] == len(ids[1])
+
+
+def test_a_list_of_prompts_streams_every_choice_then_the_usage_once(choices_server):
+    url = choices_server.url
+    whole = completions(url, PROMPTS, 2)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"prompt": PROMPTS, "n": 2, "seed": SEED, "temperature": 1, "max_tokens": 8}
+    r = httpx.post(
+        url + "/v1/completions",
+        json={**body, "stream": True, "stream_options": options},
+        timeout=60,
+    )
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    *chunks, usage_chunk, _ = events
+    assert usage_chunk["usage"] == whole["usage"]
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        i = choice["index"]
+        texts[i] = texts.get(i, "") + choice["text"]
+        # Each choice's usage counts its own prompt.
+        own = completions(url, PROMPTS[i // 2], max_tokens=1)["usage"]["prompt_tokens"]
+        assert chunk["usage"]["prompt_tokens"] == own
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+
+
+def test_a_prompt_listed_twice_is_prefilled_once(choices_server):
+    url = choices_server.url
+    wait_for(lambda: httpx.get(url + "/health").json()["live_rows"] == 0, timeout=30)
+    before = prefilled_tokens(url)
+    prompt = "Listed twice and sent by no other test: " + "tides and shells " * 20
+    r = completions(url, [prompt, prompt], max_tokens=4)
+    n_prompt = r["usage"]["prompt_tokens"] // 2
+    cached = r["timings"]["cache_n"]
+    assert n_prompt > 50 and cached < 5
+    # The first prefills it; the second copies all of it but the token it feeds itself.
+    assert prefilled_tokens(url) - before == n_prompt - cached + 1
+    assert r["choices"][0]["text"] == r["choices"][1]["text"]  # the same seed, the same bits
+
+
+@pytest.mark.parametrize(
+    ("prompt", "n", "says"),
+    [
+        ([], 1, "prompt must not be empty"),
+        ([[]], 1, "prompt must not be empty"),
+        (["Hi", ""], 1, "prompt[1] must not be empty"),
+        (["Hi", [1, 2]], 1, "a list of strings, a list of token ids"),
+        ([True], 1, "a list of strings, a list of token ids"),
+        ([1.5], 1, "a list of strings, a list of token ids"),
+        ({"text": "Hi"}, 1, "a list of strings, a list of token ids"),
+        ([[1, "x"]], 1, "must be a list of token ids"),
+        ([[[1]]], 1, "must be a list of token ids"),
+        ([1, -1], 1, "token id -1 is not in the vocabulary"),
+        ([[1], [1, 10**12]], 1, "prompt[1]: token id 1000000000000 is not"),
+        ([1] * 2048, 1, "prompt is 2048 tokens; the context is 2048"),
+        (["Hi", "sea " * 3000], 1, "prompt[1] is"),
+        (["Hi"] * 33, 1, "33 prompts; at most 32"),
+        (["Hi"] * 5, 7, "5 prompts of n=7 choices each ask for 35 answers; at most 32"),
+    ],
+)
+def test_a_malformed_prompt_list_is_400_naming_the_prompt(choices_server, prompt, n, says):
+    body = {"prompt": prompt, "n": n, "max_tokens": 2}
+    r = httpx.post(choices_server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    where = says.split()[0].rstrip(":") if says.startswith("prompt[") else "prompt"
+    assert error["param"] == where and says in error["message"], error

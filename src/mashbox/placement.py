@@ -25,7 +25,7 @@ def pick(
     first among equals; a tenant at `tenant_slots` waits. So one tenant's requests, however
     many or slow, never keep another's from the next free slot. Their prompts: at most
     `budget` tokens in all (the next pick past it stays waiting). A later choice of n waits
-    for choice 0's prefill (`Sequence.waits_for_leader`). In arrival order."""
+    for their prompt's first choice's prefill (`Sequence.waits_for_leader`). In arrival order."""
     holding = collections.Counter(s.seq.request.tenant for s in slots if s.seq)
     picked: list[Sequence] = []
     while len(picked) < n:

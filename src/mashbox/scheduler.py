@@ -163,15 +163,18 @@ class Scheduler:
         return RequestEvents(receive, seq, self)
 
     def submit_choices(self, requests: list[Request]) -> ChoiceEvents:
-        """Queue a request's n choices (one prompt, each choice its own seed), all or none:
-        they count n places against the queue's limits. Choice 0 prefills the prompt; the
-        others wait for it, then copy its KV (`Sequence.leader`)."""
+        """Queue a request's choices (n of one prompt, each its own seed; or of each of
+        completions' prompts), all or none: they count one place each against the queue's
+        limits. The first choice of a prompt prefills it; the others of the same prompt wait
+        for it, then copy its KV (`Sequence.leader`)."""
         self._check_room(requests[0].tenant, len(requests))
         send, receive = trio.open_memory_channel(CHANNEL_SIZE * len(requests))
         seqs: list[Sequence] = []
+        leaders: dict[tuple[int, ...], Sequence] = {}
         for index, request in enumerate(requests):
             seq = Sequence.new(request, self.tokenizer, send.clone())  # each closes its own
-            seq.choice, seq.leader = index, seqs[0] if seqs else None
+            seq.choice, seq.leader = index, leaders.get(request.prompt_ids)
+            leaders.setdefault(request.prompt_ids, seq)
             seqs.append(seq)
         send.close()
         self._queue(seqs)

@@ -52,8 +52,8 @@ class Sequence:
     # A typed decision's reads so far: one tuple per branch, read a budget of rows a step.
     readings: list = attrs.Factory(list)
     pending: int = 0  # tokens sent to be sampled for this sequence, results not yet in
-    # One of a request's n choices (n > 1): its index, which tags its events in the channel
-    # the choices share, and choice 0, whose prompt it copies once that is prefilled.
+    # One of a request's several choices: its index, which tags its events in the channel
+    # the choices share, and its prompt's first choice, whose KV it copies once prefilled.
     choice: int | None = None
     leader: Sequence | None = None
     t_start: float | None = None
@@ -80,9 +80,9 @@ class Sequence:
 
     @property
     def waits_for_leader(self) -> bool:
-        """A later choice waits while choice 0 prefills the prompt they share: placed then,
-        it copies that KV (`Share`) rather than compute it again. If choice 0 ends first, it
-        goes on its own."""
+        """A later choice waits while its prompt's first choice prefills the prompt they
+        share: placed then, it copies that KV (`Share`) rather than compute it again. If the
+        first ends first, it goes on its own."""
         lead = self.leader
         if lead is None or lead.done or lead.cancelled:
             return False

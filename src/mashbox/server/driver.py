@@ -9,7 +9,8 @@ answer whole or streaming it, the request's log line, and releasing the request 
 scheduler however the client goes. HTTP frames the events as server-sent events; the chat
 WebSocket sends the same events as frames. Where `n` asks for several choices (OpenAI chat and
 completions), it runs them all under one answer: submitted together, each with its own seed,
-read as they come and released together.
+read as they come and released together; completions' list of prompts is n choices of each
+prompt, in the prompts' order, the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ from typing import Protocol
 import attrs
 import trio
 
-from ..events import Failed, Finished, NotReady, QueueFull, Request, Restarted, TextDelta
+from ..events import (
+    Failed,
+    Finished,
+    NotReady,
+    QueueFull,
+    Request,
+    Restarted,
+    TextDelta,
+    Usage,
+)
 from ..scheduler import ChoiceEvents, RequestEvents
 from ..text.parser import ToolCall, merge
 from . import chat
@@ -100,9 +110,10 @@ class Tally:
     arrive, for usage in every event of a stream (vLLM's `continuous_usage_stats`). A token
     whose text is held back counts when it arrives, not when its text is sent."""
 
-    def __init__(self, prompt_tokens: int, choices: int = 1):
+    def __init__(self, prompt_tokens: list[int]):
+        """prompt_tokens: each choice's prompt's length (one per choice, in order)."""
         self.prompt_tokens = prompt_tokens
-        self.completion = [0] * choices
+        self.completion = [0] * len(prompt_tokens)
 
     def count(self, index: int, event) -> None:
         if isinstance(event, TextDelta):
@@ -111,9 +122,9 @@ class Tally:
             self.completion[index] = 0
 
     def usage(self, index: int) -> dict:
-        done = self.completion[index]
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
-                "total_tokens": self.prompt_tokens + done}  # fmt: skip
+        prompt, done = self.prompt_tokens[index], self.completion[index]
+        return {"prompt_tokens": prompt, "completion_tokens": done,
+                "total_tokens": prompt + done}  # fmt: skip
 
 
 class _Counted(trio.abc.ReceiveChannel):
@@ -137,9 +148,15 @@ class Call:
 
     request: Request  # choice 0's, where the answer holds several
     prompt: ChatPrompt | None  # None: plain completions (the text is not parsed)
-    encoder: Encoder  # a ChoicesEncoder where choices > 1
-    choices: int = 1  # `n`
+    encoder: Encoder  # a ChoicesEncoder where the answer holds several choices
+    choices: int = 1  # `n`, of each prompt
     tally: Tally | None = None  # where every event carries the usage so far (its encoders')
+    more_prompts: tuple[Request, ...] = ()  # completions' further prompts, each with n choices
+
+    def requests(self) -> list[Request]:
+        """Every choice's request, each prompt's n in turn (OpenAI's order of indexes)."""
+        prompts = (self.request, *self.more_prompts)
+        return [choice_request(r, i) for r in prompts for i in range(self.choices)]
 
 
 Parse = Callable[[ServerState, Body, str], Awaitable[Call]]
@@ -181,7 +198,7 @@ async def answer(
     def logged(status: int, done: Finished | None) -> None:
         log_request(route, status, done, session, t0)
 
-    if call.choices > 1:
+    if call.choices > 1 or call.more_prompts:
         return await _answer_choices(state, call, logged)
     events = submit(state, call.request)
     if not call.request.stream:
@@ -240,34 +257,35 @@ async def _stream(events: RequestEvents, call: Call, logged) -> AsyncIterator[Fr
 
 
 async def _answer_choices(state: ServerState, call: Call, logged) -> dict | AsyncIterator[Frame]:
-    """Run a request's n choices (each its own seed, `choice_request`) as one answer."""
-    requests = [choice_request(call.request, i) for i in range(call.choices)]
+    """Run a request's n choices (each its own seed, `choice_request`) of each of its
+    prompts as one answer."""
+    requests = call.requests()
     try:
         events = state.scheduler.submit_choices(requests)
     except NotReady:
         raise not_ready() from None
     except QueueFull as exc:
         raise queue_full(str(exc), whole_queue=exc.whole_queue) from None
-    encoders = [call.encoder, *(call.encoder.choice(i) for i in range(1, call.choices))]
+    encoders = [call.encoder, *(call.encoder.choice(i) for i in range(1, len(requests)))]
     if call.request.stream:
         return _stream_choices(events, call, encoders, logged)
     answers = await _collect_choices(events, call.prompt, logged)
-    done = answer_end([a.done for a in answers])
+    done = answer_end([a.done for a in answers], call.choices)
     logged(200, done)
     choices = [e.whole_choice(a) for e, a in zip(encoders, answers, strict=True)]
     return call.encoder.whole_answer(choices, done)
 
 
-def answer_end(ends: list[Finished]) -> Finished:
-    """How an answer of n choices ended: choice 0's end, with the usage of all of them (the
-    prompt once, every choice's completion tokens: OpenAI's count)."""
-    first = ends[0]
-    completion = sum(e.usage.completion_tokens for e in ends)
-    return attrs.evolve(
-        first,
-        usage=attrs.evolve(first.usage, completion_tokens=completion),
-        reasoning_tokens=sum(e.reasoning_tokens for e in ends),
+def answer_end(ends: list[Finished], n: int) -> Finished:
+    """How an answer of n choices a prompt ended: choice 0's end, with the usage of all of
+    them (each prompt once, every choice's completion tokens: OpenAI's count)."""
+    first, prompts = ends[0], ends[::n]
+    usage = Usage(
+        prompt_tokens=sum(e.usage.prompt_tokens for e in prompts),
+        completion_tokens=sum(e.usage.completion_tokens for e in ends),
+        cached_tokens=sum(e.usage.cached_tokens for e in prompts),
     )
+    return attrs.evolve(first, usage=usage, reasoning_tokens=sum(e.reasoning_tokens for e in ends))
 
 
 async def _collect_choices(events: ChoiceEvents, prompt, logged) -> list[Answer]:
@@ -330,7 +348,7 @@ async def _stream_choices(
                     for f in encoder.feed(item):
                         yield f
             if all(ends):
-                done = answer_end(ends)
+                done = answer_end(ends, call.choices)
                 for f in call.encoder.finish_answer(done):
                     yield f
                 logged(200, done)

@@ -206,6 +206,23 @@ def biasable_tokens(state: ServerState) -> int:
     return min(state.tokenizer.vocab_size, info.vocab_size if info else 2**31)
 
 
+def check_fits(body: Body, state: ServerState, prompt_tokens: int, field: str = "") -> None:
+    """A 400 for a prompt that leaves no room in the context for one new token."""
+    if prompt_tokens >= state.ctx:
+        raise too_long(
+            f"{field or 'the prompt'} is {prompt_tokens} tokens; the context is {state.ctx} "
+            "tokens (it must leave room for at least one new token)",
+            field or prompt_field(body),
+        )
+
+
+def for_prompt(body: Body, state: ServerState, request: Request, prompt_ids) -> Request:
+    """`request` asked of another prompt, one that fits (completions' list of prompts): the
+    same sampling, seed and grammar, so each prompt is answered as it would be alone."""
+    max_tokens = max_new_tokens(body, len(prompt_ids), state.ctx)
+    return attrs.evolve(request, prompt_ids=tuple(prompt_ids), max_tokens=max_tokens)
+
+
 def build_request(
     body: Body,
     state: ServerState,
@@ -217,12 +234,7 @@ def build_request(
 ) -> Request:
     """Check the prompt fits the context and gather the generation fields (choice 0's, where
     `n` asks for several: `choice_request`)."""
-    if len(prompt_ids) >= state.ctx:
-        raise too_long(
-            f"the prompt is {len(prompt_ids)} tokens; the context is {state.ctx} tokens "
-            "(it must leave room for at least one new token)",
-            prompt_field(body),
-        )
+    check_fits(body, state, len(prompt_ids))
     return Request(
         prompt_ids=tuple(prompt_ids),
         params=sampling_params(

@@ -176,13 +176,14 @@ def include_usage(body: Body) -> bool:
     return bool(options and options.bool("include_usage", False))
 
 
-def usage_tally(body: Body, request: Request, choices: int) -> Tally | None:
+def usage_tally(body: Body, requests: list[Request], choices: int) -> Tally | None:
     """A Tally where a stream asks for usage in every event (vLLM's
-    `stream_options.continuous_usage_stats`), else None."""
+    `stream_options.continuous_usage_stats`), else None. requests: each prompt's, of
+    `choices` choices each."""
     options = body.object("stream_options")
-    if not (options and options.bool("continuous_usage_stats", False) and request.stream):
+    if not (options and options.bool("continuous_usage_stats", False) and requests[0].stream):
         return None
-    return Tally(len(request.prompt_ids), choices)
+    return Tally([len(r.prompt_ids) for r in requests for _ in range(choices)])
 
 
 def usage_dict(usage, *, details: bool = True) -> dict:
@@ -227,7 +228,7 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     if top >= 0:
         prompt = attrs.evolve(prompt, token_bytes=state.tokenizer.token_bytes)
     fingerprint = system_fingerprint(state, request)
-    tally = usage_tally(body, request, n)
+    tally = usage_tally(body, [request], n)
     encoder = ChatEncoder(
         state.model_id, fingerprint, include_usage(body), prompt.token_bytes, tally=tally
     )

@@ -1,5 +1,5 @@
-"""OpenAI Completions as a codec: a prompt string in, the text out unparsed, whole or as
-`text_completion` events (driver.py runs both)."""
+"""OpenAI Completions as a codec: a prompt (or a list of them) in, the text out unparsed,
+whole or as `text_completion` events (driver.py runs both)."""
 
 from __future__ import annotations
 
@@ -8,34 +8,89 @@ import time
 
 import attrs
 
-from ..events import Finished, TokenLogprob
+from ..events import MAX_WAITING_PER_TENANT, Finished, TokenLogprob
 from . import structured
 from .chat import Answer, Logprobs
 from .driver import Call, Frame, OneFieldFrame, Tally, frame
 from .errors import bad_request
 from .generation import (
     MAX_CHOICES,
+    biasable_tokens,
     build_request,
+    check_fits,
     check_model,
     choice_count,
     encode_prompt,
+    for_prompt,
     system_fingerprint,
 )
 from .openai_chat import error_frame, include_usage, usage_dict, usage_tally
 from .state import ServerState
 from .validate import Body
 
+# Prompts in one request, all of them with their n choices together: a tenant's waiting
+# requests, since more could never be queued at once.
+MAX_ANSWERS = MAX_WAITING_PER_TENANT
 
-def completion_prompt(body: Body) -> str:
-    """`prompt`: a string, or a list of one string."""
+
+def completion_prompts(body: Body) -> list[str | list]:
+    """`prompt`: a string, a list of strings, a list of token ids, or a list of lists of
+    token ids (as OpenAI's and vLLM's completions take it). Each is answered on its own.
+    Token lists are read whole only once their length is known to fit (`token_prompt`)."""
     prompt = body.raw("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise bad_request("prompt must be a string or a list of one string", "prompt")
-    if not prompt:
-        raise bad_request("prompt must not be empty", "prompt")
-    return prompt
+    if isinstance(prompt, list) and prompt and _is_token(prompt[0]):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        if len(prompt) > MAX_ANSWERS:
+            raise bad_request(f"prompt: {len(prompt)} prompts; at most {MAX_ANSWERS}", "prompt")
+        prompts = prompt
+    else:
+        prompts = [prompt]
+    kind = type(prompts[0])
+    if kind not in (str, list) or not all(type(p) is kind for p in prompts):
+        raise bad_request(
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "lists of token ids",
+            "prompt",
+        )
+    for i, p in enumerate(prompts):
+        if not p:
+            where = _where(i, len(prompts))
+            raise bad_request(f"{where} must not be empty", where)
+    return prompts
+
+
+def _is_token(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _where(index: int, count: int) -> str:
+    """How an error names one prompt of a request's `count`."""
+    return "prompt" if count == 1 else f"prompt[{index}]"
+
+
+def token_prompt(state: ServerState, body: Body, ids: list, where: str) -> list[int]:
+    """A prompt given as token ids, taken as they are (no bos added), each of the
+    vocabulary. Its length is checked first, so a huge list is refused before it is read."""
+    check_fits(body, state, len(ids), where)
+    vocab = biasable_tokens(state)
+    for token in ids:
+        if not _is_token(token):
+            raise bad_request(f"{where} must be a list of token ids (integers)", where)
+        if not 0 <= token < vocab:
+            raise bad_request(
+                f"{where}: token id {token} is not in the vocabulary (0 to {vocab - 1})", where
+            )
+    return ids
+
+
+async def prompt_ids(state: ServerState, body: Body, prompt, where: str, tenant: str):
+    """One prompt's token ids, checked to fit the context (`where`: how errors name it)."""
+    if isinstance(prompt, list):
+        return token_prompt(state, body, prompt, where)
+    ids = await encode_prompt(state, prompt, where, tenant=tenant)
+    check_fits(body, state, len(ids), where)
+    return ids
 
 
 def refuse_what_is_not_done(body: Body, n: int) -> None:
@@ -51,20 +106,29 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     top = body.int("logprobs", lo=0, hi=MAX_LOGPROBS)  # None: none asked for
     n = choice_count(body, MAX_CHOICES)
     refuse_what_is_not_done(body, n)
-    ids = await encode_prompt(state, completion_prompt(body), "prompt", tenant=tenant)
+    prompts = completion_prompts(body)
+    if len(prompts) * n > MAX_ANSWERS:
+        raise bad_request(
+            f"{len(prompts)} prompts of n={n} choices each ask for {len(prompts) * n} "
+            f"answers; at most {MAX_ANSWERS} in one request",
+            "prompt",
+        )
+    wheres = [_where(i, len(prompts)) for i in range(len(prompts))]
+    ids = [await prompt_ids(state, body, p, wheres[i], tenant) for i, p in enumerate(prompts)]
     request = build_request(
-        body, state, ids, tenant, logprobs=-1 if top is None else top, most_choices=MAX_CHOICES
+        body, state, ids[0], tenant, logprobs=-1 if top is None else top, most_choices=MAX_CHOICES
     )
     # vLLM's extension, which OpenAI's completions lack: the continuation follows a schema.
     answer = structured.answer_schema(body.object("response_format"), "response_format")
     request = await structured.constrain(state, request, None, answer=answer)
+    others = tuple(for_prompt(body, state, request, more) for more in ids[1:])
     fingerprint = system_fingerprint(state, request)
     token_text = None if top is None else _token_text(state.tokenizer)
-    tally = usage_tally(body, request, n)
+    tally = usage_tally(body, [request, *others], n)
     encoder = CompletionEncoder(
         state.model_id, fingerprint, include_usage(body), token_text, tally=tally
     )
-    return Call(request, None, encoder, n, tally)
+    return Call(request, None, encoder, n, tally, more_prompts=others)
 
 
 class CompletionEncoder:
