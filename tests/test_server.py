@@ -275,7 +275,7 @@ def test_bad_fields_are_400_naming_the_field(server, field, value):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("echo", True), ("suffix", " and so on."), ("best_of", 3), ("logprobs", 6)],
+    [("suffix", " and so on."), ("best_of", 3), ("logprobs", 6)],
 )
 def test_completions_fields_it_does_not_do_are_400_naming_them(server, field, value):
     body = {"prompt": "Once upon a time", "max_tokens": 2, field: value}

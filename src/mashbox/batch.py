@@ -14,7 +14,16 @@ from collections.abc import Callable, Iterator
 
 import attrs
 
-from .events import Admitted, Decision, Embedding, Failed, Finished, TextDelta, TokenLogprob
+from .events import (
+    Admitted,
+    Decision,
+    Embedding,
+    Failed,
+    Finished,
+    PromptLogprobs,
+    TextDelta,
+    TokenLogprob,
+)
 from .kv_moves import KVMoves
 from .observer import Observer, Stats
 from .placement import pair, pick
@@ -116,7 +125,7 @@ class Batch:
         # Generation runs at least its last prompt token (its logits give the first new
         # token); a decision reads after the prefix and can take all of it from a cache.
         reusable = len(prompt) - (0 if seq.request.branches else 1)
-        if not seq.request.embed:  # pooling needs every position's hidden state: no reuse
+        if not seq.request.reads_every_position:  # (pooling, echo's log-probs): no reuse
             shared = self.moves.bring_prefix(slot, seq.request.tenant, prompt, shared, reusable)
         seq.cached = min(shared, reusable)
         del slot.tokens[seq.cached :]
@@ -318,14 +327,18 @@ class Batch:
             self.slots[p.slot].tokens.extend(p.token_ids)
             if not p.alone:  # (a long question's piece is not its prompt: `_read`)
                 seq.prefilled += len(p.token_ids)
-            if p.pool and p.sample:
+            if p.slot in result.prompt_logprobs:
+                seq.prompt_logprobs.extend(result.prompt_logprobs[p.slot])
+            if p.slot in result.nonfinite:  # (sampling, or a row echo's log-probs read)
+                self._overflowed(seq)
+            elif p.pool and p.sample:
                 prompt_tokens += len(seq.request.prompt_ids)
                 seq.t_first = seq.t_last = now
                 seq.outbox.append(Embedding(result.embeddings[p.slot]))
                 self._finish(seq, "stop", flush=False)
-            elif p.sample and p.slot in result.nonfinite:
-                self._overflowed(seq)
             elif p.sample:
+                if seq.request.params.prompt_logprobs:
+                    self._emit_prompt_logprobs(seq)
                 prompt_tokens += len(seq.request.prompt_ids)
                 generated += 1
                 self._on_token(seq, tokens[p.slot], now, result.logprobs.get(p.slot))
@@ -359,6 +372,15 @@ class Batch:
             generated += 1
             self._on_token(seq, tokens[d.slot], now, result.logprobs.get(d.slot))
         self.observer.stepped(prompt_tokens, generated, result.forwards, result.elapsed_s)
+
+    @staticmethod
+    def _emit_prompt_logprobs(seq: Sequence) -> None:
+        """Echo's log-probs of the whole prompt, once it is prefilled (before its answer's
+        first text): the first token has none, each other its read's."""
+        first = TokenLogprob(seq.request.prompt_ids[0], None)
+        entries = (first, *(TokenLogprob(*e) for e in seq.prompt_logprobs))
+        seq.outbox.append(PromptLogprobs(entries))
+        seq.prompt_logprobs.clear()
 
     def _on_token(self, seq: Sequence, token: int, now: float, logprob=None) -> None:
         """logprob: (the token's log-prob, the likeliest tokens') where the request asked."""

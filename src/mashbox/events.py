@@ -31,11 +31,12 @@ class QueueFull(Exception):
 
 @attrs.frozen
 class TokenLogprob:
-    """One generated token's log-probability, and the likeliest tokens' at its position
-    (the model's log-softmax before temperature and penalties), likeliest first."""
+    """One token's log-probability, and the likeliest tokens' at its position (the model's
+    log-softmax before temperature and penalties), likeliest first. A prompt's first token
+    has none (None)."""
 
     token: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -128,6 +129,14 @@ class Admitted:
 
 
 @attrs.frozen
+class PromptLogprobs:
+    """The prompt's tokens' log-probs (OpenAI's `echo`), the first token's None: sent once the
+    prompt is prefilled, before the answer's first text."""
+
+    entries: tuple[TokenLogprob, ...]
+
+
+@attrs.frozen
 class Restarted:
     """The engine failed before anything reached the client: the answer starts again."""
 
@@ -147,6 +156,12 @@ class Request:
     # A typed decision: prefill the prompt, then read these branches after it in one
     # forward; nothing is generated.
     branches: tuple[Branch, ...] = ()
+
+    @property
+    def reads_every_position(self) -> bool:
+        """Whether every prompt position's hidden state is needed (pooled, or its next
+        token's log-prob read): then no prefix may come from a cache."""
+        return self.embed or self.params.prompt_logprobs
 
 
 def random_seed() -> int:

@@ -48,7 +48,7 @@ def pick(
 
 def match(seq: Sequence, slot: Slot) -> int:
     """The prompt tokens the slot still holds for this request (its tenant's, never pooled)."""
-    if seq.request.embed or slot.tenant != seq.request.tenant:
+    if seq.request.reads_every_position or slot.tenant != seq.request.tenant:
         return 0
     return common_prefix(slot.tokens, seq.request.prompt_ids)
 

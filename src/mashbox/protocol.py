@@ -52,6 +52,9 @@ class SamplingParams:
     # Log-probabilities with each sampled token: -1 none, 0 the sampled token's alone, k also
     # the k likeliest tokens' (the model's log-softmax, before temperature, bias, penalties).
     logprobs: int = -1
+    # Also each prompt token's after the first, with as many likeliest (OpenAI's `echo`): the
+    # request then prefills its whole prompt itself, none of it from a cache.
+    prompt_logprobs: bool = False
     # An llguidance grammar (text/constraint.py) the answer must follow; "" for none.
     grammar: str = ""
 
@@ -239,6 +242,11 @@ class StepResult:
     # slot -> (the sampled token's log-prob, ((token, log-prob), ...) the likeliest first),
     # for slots whose SamplingParams ask for log-probs.
     logprobs: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = attrs.Factory(dict)
+    # slot -> (token, its log-prob, the likeliest) for each prompt token a prefill chunk's rows
+    # predict (row i: the token at start + i + 1), where SamplingParams ask prompt_logprobs.
+    prompt_logprobs: dict[int, tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...]] = (
+        attrs.Factory(dict)
+    )
     # Disk cache files a restore found damaged or gone (removed; their tokens prefilled).
     disk_failed: tuple[str, ...] = ()
     # Slots whose logits held NaN or infinity (a numerical overflow): nothing was sampled

@@ -173,8 +173,10 @@ class Scheduler:
         leaders: dict[tuple[int, ...], Sequence] = {}
         for index, request in enumerate(requests):
             seq = Sequence.new(request, self.tokenizer, send.clone())  # each closes its own
-            seq.choice, seq.leader = index, leaders.get(request.prompt_ids)
-            leaders.setdefault(request.prompt_ids, seq)
+            seq.choice = index
+            lead = leaders.setdefault(request.prompt_ids, seq)
+            if lead is not seq and not request.reads_every_position:  # (that one copies none)
+                seq.leader = lead
             seqs.append(seq)
         send.close()
         self._queue(seqs)

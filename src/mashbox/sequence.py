@@ -41,6 +41,7 @@ class Sequence:
     emitted: bool = False  # text has gone to the handler
     unsent_tokens: int = 0  # generated tokens whose text is still held back
     unsent_logprobs: list = attrs.Factory(list)  # their TokenLogprobs, where asked for
+    prompt_logprobs: list = attrs.Factory(list)  # echo's reads of the prompt so far
     reasoning_tokens: int = 0  # generated tokens of reasoning, as the route's parser read them
     # Output has gone to the client (set by the route as it writes it): what ends a stream's
     # one retry. Text the route's parser still holds back (a tool call's start) is not.
@@ -97,6 +98,7 @@ class Sequence:
         self.readings.clear()
         self.unsent_tokens = 0  # (the route resets its own counts on Restarted)
         self.unsent_logprobs.clear()
+        self.prompt_logprobs.clear()
         self.outbox.clear()
         self.detok = Detokenizer(tokenizer)
         self.stops = StopMatcher(list(self.request.stop))

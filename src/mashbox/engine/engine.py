@@ -15,6 +15,7 @@ from ..protocol import (
     Admit,
     Decide,
     EngineInfo,
+    Prefill,
     Restore,
     SamplingParams,
     Step,
@@ -37,6 +38,8 @@ class _SlotState:
 
     def __init__(self, admit: Admit, vocab_size: int, device, masks: GrammarMasks):
         self.params: SamplingParams = admit.params
+        # The tokens echo's log-probs are read for (each a row's next token).
+        self.prompt_ids = admit.prompt_ids if admit.params.prompt_logprobs else ()
         self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         if admit.prompt_ids:
             self.prompt_mask[torch.tensor(admit.prompt_ids, device=device)] = True
@@ -115,6 +118,7 @@ def compiles_so_far() -> int:
 
 
 BRANCH_ROWS = 4096  # rows per decision forward: bounds activation memory
+PROMPT_READ_ROWS = 64  # echo's prompt rows projected at once: 39 MB of qwen2.5's logits
 
 
 def _batches(branches, budget: int):
@@ -306,10 +310,11 @@ class Engine:
             )
         tokens: dict[int, int] = {}
         logprobs: dict[int, tuple] = {}
+        prompt_logprobs: dict[int, tuple] = {}
         embeddings: dict[int, tuple[float, ...]] = {}
         nonfinite: list[int] = []
         generation = [p for p in step.prefills if not (p.pool or p.alone)]
-        self._prefill(generation, tokens, logprobs, nonfinite)
+        self._prefill(generation, tokens, logprobs, prompt_logprobs, nonfinite)
         pieces = [p for p in step.prefills if p.alone]
         for p in pieces:
             ids = torch.tensor(p.token_ids, dtype=torch.long, device=self.device)
@@ -357,6 +362,7 @@ class Engine:
             forwards,
             compiles_so_far(),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             disk_failed=disk_failed,
             nonfinite=tuple(nonfinite),
         )
@@ -378,7 +384,9 @@ class Engine:
             self.model.prefill(self.cache, restore.slot, start, chunk)
         return False
 
-    def _prefill(self, prefills: list, tokens: dict, logprobs: dict, nonfinite: list) -> None:
+    def _prefill(
+        self, prefills: list, tokens: dict, logprobs: dict, prompt_logprobs: dict, nonfinite: list
+    ) -> None:
         """Every generation prefill of the step in one forward; sample where a prompt ends."""
         if not prefills:
             return
@@ -389,6 +397,9 @@ class Engine:
         hidden = self.model.prefill_many(self.cache, chunks)
         last, rows = 0, []
         for p in prefills:
+            if self.slots[p.slot].prompt_ids:
+                rows_of_p = hidden[last : last + len(p.token_ids)]
+                self._read_prompt(p, rows_of_p, prompt_logprobs, nonfinite)
             last += len(p.token_ids)
             if p.sample:
                 rows.append((p, last - 1))
@@ -443,6 +454,24 @@ class Engine:
         if last is None:
             raise ValueError(f"slot {decode.slot} has sampled nothing to feed back")
         return last
+
+    def _read_prompt(self, p: Prefill, hidden: torch.Tensor, out: dict, nonfinite: list) -> None:
+        """Echo's log-probs: each prompt token a chunk's rows predict (row i: the token at
+        start + i + 1; the last prompt token's row predicts the answer, sampled instead), with
+        the likeliest tokens'. Projected PROMPT_READ_ROWS rows at a time (memory: rows times
+        the vocabulary), each row's bits whatever the chunk (`row_invariant`)."""
+        state = self.slots[p.slot]
+        targets = state.prompt_ids[p.start + 1 : p.start + len(p.token_ids) + 1]
+        entries = []
+        for at in range(0, len(targets), PROMPT_READ_ROWS):
+            some = targets[at : at + PROMPT_READ_ROWS]
+            logits = self.model.logits(hidden[at : at + len(some)], row_invariant=True).cpu()
+            if not all(finite_rows(logits)):  # an overflow: the request ends, as in sampling
+                self._overflowed(p.slot, nonfinite)
+                return
+            for i, token in enumerate(some):
+                entries.append((token, *log_probs(logits[i], token, state.params.logprobs)))
+        out[p.slot] = tuple(entries)
 
     def _read_logprobs(self, slot: int, logits: torch.Tensor, row: int, token: int, out: dict):
         """The sampled token's log-prob and the likeliest tokens', where the slot asks: the

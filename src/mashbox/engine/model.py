@@ -386,8 +386,14 @@ class Model:
         return h
 
     def logits(self, hidden: Tensor, *, row_invariant: bool = False) -> Tensor:
-        """Project hidden states to float32 vocabulary logits (row_invariant: each row's
-        bits independent of the row count, as `linear_in_blocks`)."""
+        """Project hidden states to float32 vocabulary logits. On mashbox's kernels every
+        row's bits are those a decode step's head gives it, whatever the row count: the head's
+        compact form, in pieces it takes whole (each row one sum in a fixed order; past
+        `max_rows` a call would take the float matrix). Elsewhere `row_invariant` asks for
+        the same of torch (`linear_in_blocks`)."""
+        head = self._kernel_head()
+        if head is not None:
+            return torch.cat([head(piece) for piece in hidden.split(head.max_rows)]).float()
         return (linear_in_blocks if row_invariant else linear)(hidden, self.lm_head).float()
 
     def prefill(

@@ -13,7 +13,15 @@ from collections.abc import Callable
 import attrs
 import trio
 
-from ..events import Admitted, Failed, Finished, Restarted, TextDelta, TokenLogprob
+from ..events import (
+    Admitted,
+    Failed,
+    Finished,
+    PromptLogprobs,
+    Restarted,
+    TextDelta,
+    TokenLogprob,
+)
 from ..text.chat_template import ChatTemplateError
 from ..text.parser import (
     Content,
@@ -403,15 +411,35 @@ async def collect(events, prompt: ChatPrompt | None, failure) -> Answer:
 
 
 async def plain_events(events):
-    """Scheduler events with text as Content, unparsed (plain completions); the Logprobs of
-    its tokens, where asked for, just before it."""
+    """Scheduler events read by `PlainText`, as they come."""
+    text = PlainText()
     async for event in events:
+        for item in text.read(event):
+            yield item
+
+
+class PlainText:
+    """One answer's scheduler events as plain completions' items: text as Content, unparsed,
+    with the Logprobs of its tokens, where asked for, just before it. The prompt's (echo)
+    go with the first text, or before the end where there is none; a run again after a
+    fault sends them anew, so they are held, not added to."""
+
+    def __init__(self):
+        self.prompt: tuple[TokenLogprob, ...] = ()
+
+    def read(self, event) -> list:
+        if isinstance(event, PromptLogprobs):
+            self.prompt = event.entries
+            return []
         if isinstance(event, TextDelta):
-            if event.logprobs:
-                yield Logprobs(event.logprobs)
-            yield Content(event.text)
-        elif isinstance(event, Finished | Failed | Restarted):
-            yield event
+            entries, self.prompt = self.prompt + tuple(event.logprobs), ()
+            return [Logprobs(entries), Content(event.text)] if entries else [Content(event.text)]
+        if isinstance(event, Finished) and self.prompt:
+            entries, self.prompt = self.prompt, ()
+            return [Logprobs(entries), event]
+        if isinstance(event, Finished | Failed | Restarted):
+            return [event]
+        return []
 
 
 def finish_reason(done: Finished, called_tools: bool) -> str:

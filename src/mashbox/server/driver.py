@@ -368,6 +368,7 @@ class ChoiceItems:
 
     def __init__(self, prompt: ChatPrompt | None, n: int):
         self.inboxes = [_Inbox() for _ in range(n)]
+        self.plain = [chat.PlainText() for _ in range(n)]
         self.parsers = (
             None
             if prompt is None
@@ -376,8 +377,8 @@ class ChoiceItems:
 
     async def read(self, index: int, event) -> list:
         """What choice `index`'s parser makes of its next event."""
-        if self.parsers is None:  # plain text: each event reads alone
-            return [item async for item in chat.plain_events(_once(event))]
+        if self.parsers is None:  # plain text
+            return self.plain[index].read(event)
         self.inboxes[index].events.append(event)
         parser, items = self.parsers[index], []
         while not isinstance(item := await anext(parser), Ping):
@@ -403,7 +404,3 @@ class _Inbox:
         if self.events:
             return self.events.popleft()  # at once: no checkpoint, so never cut short
         await trio.sleep_forever()
-
-
-async def _once(event):
-    yield event

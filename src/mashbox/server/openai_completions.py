@@ -10,7 +10,7 @@ import attrs
 
 from ..events import MAX_WAITING_PER_TENANT, Finished, TokenLogprob
 from . import structured
-from .chat import Answer, Logprobs
+from .chat import Answer, Content, Logprobs
 from .driver import Call, Frame, OneFieldFrame, Tally, frame
 from .errors import bad_request
 from .generation import (
@@ -95,7 +95,6 @@ async def prompt_ids(state: ServerState, body: Body, prompt, where: str, tenant:
 
 def refuse_what_is_not_done(body: Body, n: int) -> None:
     """OpenAI's completions fields mashbox does not do: a 400, not an answer without them."""
-    body.refuse("echo", "the answer never repeats the prompt")
     body.refuse("suffix", "the models here write after the prompt")
     if body.int("best_of", n) != n:
         raise bad_request("best_of is not supported: n asks for several choices", "best_of")
@@ -121,12 +120,18 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     # vLLM's extension, which OpenAI's completions lack: the continuation follows a schema.
     answer = structured.answer_schema(body.object("response_format"), "response_format")
     request = await structured.constrain(state, request, None, answer=answer)
+    echoes = ()
+    if body.bool("echo", False):  # each choice's text starts with its prompt's
+        echoes = tuple(_echo(state, p) for p in prompts for _ in range(n))
+        if top is not None:  # and its log-probs with the prompt tokens'
+            params = attrs.evolve(request.params, prompt_logprobs=True)
+            request = attrs.evolve(request, params=params)
     others = tuple(for_prompt(body, state, request, more) for more in ids[1:])
     fingerprint = system_fingerprint(state, request)
     token_text = None if top is None else _token_text(state.tokenizer)
     tally = usage_tally(body, [request, *others], n)
     encoder = CompletionEncoder(
-        state.model_id, fingerprint, include_usage(body), token_text, tally=tally
+        state.model_id, fingerprint, include_usage(body), token_text, tally=tally, echoes=echoes
     )
     return Call(request, None, encoder, n, tally, more_prompts=others)
 
@@ -147,19 +152,20 @@ class CompletionEncoder:
         index: int = 0,
         of: CompletionEncoder | None = None,
         tally: Tally | None = None,
+        echoes: tuple[str, ...] = (),
     ):
         """token_text: a token id's text, where log-probs were asked for (else None).
         index: the choice this encodes; of: choice 0's encoder, whose answer (its id, clock
         and tally) this is another choice of; tally: where every event carries the usage so
-        far."""
+        far; echoes: each choice's prompt text, where `echo` asks the text to start with it."""
         self.token_text = token_text
         self.index = index
         self.pending: list[TokenLogprob] = []  # those of the text that comes next
         self.offset = 0  # characters of the answer so far (each token's text_offset)
         if of is not None:
-            self.rid, self.base, self.tally = of.rid, of.base, of.tally
+            self.rid, self.base, self.tally, self.echoes = of.rid, of.base, of.tally, of.echoes
         else:
-            self.tally = tally
+            self.tally, self.echoes = tally, echoes
             self.rid = "cmpl-" + secrets.token_hex(12)
             self.base = {
                 "id": self.rid,
@@ -168,6 +174,7 @@ class CompletionEncoder:
                 "model": model,
                 "system_fingerprint": fingerprint,
             }
+        self.echo = self.echoes[index] if self.echoes else None  # not sent yet
         self.usage_chunk = usage_chunk
         self.text = OneFieldFrame(
             lambda text: frame({**self.base, "choices": [_choice(text, index)]})
@@ -186,9 +193,12 @@ class CompletionEncoder:
         if isinstance(item, Logprobs):
             self.pending.extend(item.entries)
             return []
+        text = item.text
+        if self.echo is not None:
+            text, self.echo = self.echo + text, None
         if self.token_text is None and self.tally is None:
-            return [self.text(item.text)]
-        choice = _choice(item.text, self.index)
+            return [self.text(text)]
+        choice = _choice(text, self.index)
         if self.token_text is not None:
             choice["logprobs"], self.pending = self._logprobs(self.pending), []
         return [self._event(choice)]
@@ -197,12 +207,13 @@ class CompletionEncoder:
         return [*self.finish_choice(done), *self.finish_answer(done)]
 
     def finish_choice(self, done: Finished) -> list[Frame]:
+        echo = self.feed(Content("")) if self.echo is not None else []  # an empty answer's
         choice = _choice("", self.index, done.reason)
         timings = attrs.asdict(done.timings)
         if self.tally is not None:  # the choice's own count, now final
             usage = usage_dict(done.usage, details=False)
-            return [self._event(choice, timings=timings, usage=usage)]
-        return [self._event(choice, timings=timings)]
+            return [*echo, self._event(choice, timings=timings, usage=usage)]
+        return [*echo, self._event(choice, timings=timings)]
 
     def _event(self, choice: dict, **extra) -> Frame:
         """One text_completion event of this choice; with the usage so far where tallied."""
@@ -226,7 +237,7 @@ class CompletionEncoder:
     def whole_choice(self, answer: Answer) -> dict:
         return {
             "index": self.index,
-            "text": answer.text(),
+            "text": (self.echo or "") + answer.text(),
             "finish_reason": answer.done.reason,
             **self._logprobs_field(answer.logprobs),
         }
@@ -245,24 +256,32 @@ class CompletionEncoder:
 
     def _logprobs(self, entries) -> dict:
         """OpenAI's completions log-probs of these tokens: each one's text, log-prob, the
-        likeliest tokens' (the sampled one always among them) and where its text starts."""
-        name = self.token_text
+        likeliest tokens' (the sampled one always among them) and where its text starts. An
+        echoed prompt's first token has neither log-prob nor likeliest (null)."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
-            text = name(e.token)
-            top: dict[str, float] = {}
-            for t, lp in e.top:  # tokens that spell alike (pieces of characters): the likeliest
-                top.setdefault(name(t), lp)
-            top[text] = e.logprob  # the sampled token's own entry, always
+            text = self.token_text(e.token)
             out["tokens"].append(text)
             out["token_logprobs"].append(e.logprob)
-            out["top_logprobs"].append(top)
+            out["top_logprobs"].append(None if e.logprob is None else self._top(e, text))
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out
 
+    def _top(self, e: TokenLogprob, text: str) -> dict[str, float]:
+        top: dict[str, float] = {}
+        for t, lp in e.top:  # tokens that spell alike (pieces of characters): the likeliest
+            top.setdefault(self.token_text(t), lp)
+        top[text] = e.logprob  # the token's own entry, always
+        return top
+
 
 MAX_LOGPROBS = 5  # OpenAI's bound for completions
+
+
+def _echo(state: ServerState, prompt: str | list[int]) -> str:
+    """The text `echo` repeats: the prompt as given, or its token ids' text."""
+    return prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt)
 
 
 def _token_text(tokenizer):

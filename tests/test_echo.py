@@ -1,0 +1,158 @@
+"""OpenAI completions' `echo`: the text starts with the prompt, and with `logprobs` the
+prompt's tokens come with their log-probs, each read from the prompt's own prefill (lm-eval's
+loglikelihood requests: token ids in, `max_tokens` 1, `echo`, `logprobs`)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from mashbox.text.tokenizer import Tokenizer
+
+PROMPT = "The sea was calm, and the ships sailed home"
+
+
+def complete(server, **body) -> dict:
+    body = {"max_tokens": 6, "temperature": 0} | body
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_echo_starts_each_choice_with_its_prompt(server):
+    plain = complete(server, prompt=["Once upon a time", PROMPT], n=2, seed=7, temperature=1)
+    echoed = complete(
+        server, prompt=["Once upon a time", PROMPT], n=2, seed=7, temperature=1, echo=True
+    )
+    prompts = ["Once upon a time"] * 2 + [PROMPT] * 2
+    assert [c["text"] for c in echoed["choices"]] == [
+        p + c["text"] for p, c in zip(prompts, plain["choices"], strict=True)
+    ]
+    assert echoed["usage"] == plain["usage"]  # the echo is not generated
+
+
+def test_echoed_log_probs_are_each_prompt_tokens_own(server, tiny_llama):
+    tok = Tokenizer.from_gguf(tiny_llama)
+    ids = tok.encode(PROMPT, add_bos=tok.add_bos)
+    r = complete(server, prompt=ids, echo=True, logprobs=3, max_tokens=4)
+    (choice,) = r["choices"]
+    lp = choice["logprobs"]
+    n_prompt = r["usage"]["prompt_tokens"]
+    assert n_prompt == len(ids)
+    assert len(lp["tokens"]) == n_prompt + r["usage"]["completion_tokens"]
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert choice["text"].startswith(tok.decode(ids))
+    assert lp["text_offset"] == [
+        sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))
+    ]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for i in range(1, n_prompt):
+        top = lp["top_logprobs"][i]
+        assert top[lp["tokens"][i]] == lp["token_logprobs"][i] <= 0
+        assert len(top) <= 4 and max(top.values()) <= 0  # (pieces of characters: one key)
+    # Each prompt token's log-prob is what the model gives it after the tokens before it:
+    # asked alone of that prefix, forced by logit_bias (log-probs are read before the bias).
+    # On mashbox's kernels to the bit (each row one sum in a fixed order, whatever the rows).
+    exact = httpx.get(server.url + "/health").json()["batch_invariant"]
+    for k in (1, 5, n_prompt - 1):
+        alone = complete(
+            server, prompt=ids[:k], logprobs=3, max_tokens=1, logit_bias={str(ids[k]): 100}
+        )["choices"][0]["logprobs"]
+        want = lp["token_logprobs"][k] if exact else pytest.approx(lp["token_logprobs"][k], 1e-4)
+        assert alone["token_logprobs"][0] == want
+        assert alone["top_logprobs"][0].keys() == lp["top_logprobs"][k].keys()
+
+
+def test_echoed_log_probs_are_read_again_not_from_a_cache(server, tiny_llama):
+    """The prompt's rows are computed by each request that asks for them: a prefix a slot or
+    the cache holds has no hidden states to read."""
+    tok = Tokenizer.from_gguf(tiny_llama)
+    ids = tok.encode(PROMPT + " again", add_bos=tok.add_bos)
+    complete(server, prompt=ids)  # now a slot holds it
+    first = complete(server, prompt=ids, echo=True, logprobs=1, max_tokens=1)
+    second = complete(server, prompt=ids, echo=True, logprobs=1, max_tokens=1)
+    assert first["choices"][0]["logprobs"] == second["choices"][0]["logprobs"]
+    assert first["timings"]["cache_n"] == second["timings"]["cache_n"] == 0
+    assert len(first["choices"][0]["logprobs"]["tokens"]) == len(ids) + 1
+
+
+def test_a_streamed_echo_is_the_whole_answers(server):
+    body = {"prompt": [PROMPT, "Far away"], "n": 2, "seed": 3, "temperature": 1}
+    body |= {"echo": True, "logprobs": 2, "max_tokens": 5}
+    whole = complete(server, **body)
+    r = httpx.post(
+        server.url + "/v1/completions", json={**body, "stream": True, "max_tokens": 5}, timeout=60
+    )
+    texts: dict[int, str] = {}
+    logprobs: dict[int, dict] = {}
+    for block in r.text.strip().split("\n\n"):
+        data = block.removeprefix("data: ")
+        if data == "[DONE]":
+            continue
+        for c in json.loads(data)["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            for key, values in (c.get("logprobs") or {}).items():
+                logprobs.setdefault(c["index"], {}).setdefault(key, []).extend(values)
+    for c in whole["choices"]:
+        assert texts[c["index"]] == c["text"]
+        assert logprobs[c["index"]] == c["logprobs"]
+
+
+def test_an_empty_answer_still_echoes_its_prompt(server, tiny_llama):
+    """The first token sampled ends the answer (an end of text, forced): no text is
+    generated, the prompt is still echoed, streamed or not, with its log-probs."""
+    tok = Tokenizer.from_gguf(tiny_llama)
+    (eos,) = [t for t in tok.eog_ids][:1]
+    body = {"prompt": PROMPT, "echo": True, "logprobs": 1, "logit_bias": {str(eos): 100}}
+    whole = complete(server, **body)
+    (choice,) = whole["choices"]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "stop"
+    assert whole["usage"]["completion_tokens"] == 1
+    r = httpx.post(server.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+    chunks = [json.loads(b[6:]) for b in r.text.strip().split("\n\n") if b != "data: [DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0].get("logprobs")]
+    assert streamed[0]["token_logprobs"] == choice["logprobs"]["token_logprobs"]
+
+
+def test_the_official_sdk_reads_an_echo(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    r = client.completions.create(
+        model="tiny-llama.gguf", prompt=PROMPT, echo=True, logprobs=0, max_tokens=3
+    )
+    (choice,) = r.choices
+    assert choice.text.startswith(PROMPT)
+    assert choice.logprobs.token_logprobs[0] is None
+    assert all(isinstance(x, float) for x in choice.logprobs.token_logprobs[1:])
+
+
+@pytest.mark.parametrize("echo", ["yes", 1, None, []])
+def test_echo_that_is_not_a_boolean_is_400(server, echo):
+    body = {"prompt": PROMPT, "echo": echo, "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    if echo is None:  # JSON null: not given
+        assert r.status_code == 200, r.text
+        return
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "echo"
+
+
+def test_echo_reads_every_prefill_chunk_of_a_long_prompt(server, tiny_llama):
+    """A prompt of three 256-token chunks: the rows on each side of a chunk's edge read the
+    right tokens, and the whole agrees with what sampling after each prefix is given."""
+    tok = Tokenizer.from_gguf(tiny_llama)
+    ids = tok.encode((PROMPT + ". ") * 40, add_bos=tok.add_bos)[:700]
+    lp = complete(server, prompt=ids, echo=True, logprobs=1, max_tokens=1)["choices"][0]
+    lp = lp["logprobs"]
+    assert len(lp["token_logprobs"]) == 701 and lp["token_logprobs"][0] is None
+    exact = httpx.get(server.url + "/health").json()["batch_invariant"]
+    for k in (255, 256, 257, 512, 699):
+        alone = complete(
+            server, prompt=ids[:k], logprobs=1, max_tokens=1, logit_bias={str(ids[k]): 100}
+        )["choices"][0]["logprobs"]
+        assert alone["tokens"][0] == lp["tokens"][k]
+        want = lp["token_logprobs"][k] if exact else pytest.approx(lp["token_logprobs"][k], 1e-4)
+        assert alone["token_logprobs"][0] == want
