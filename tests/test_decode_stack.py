@@ -190,3 +190,18 @@ def test_a_prompts_bits_do_not_depend_on_its_prefill_chunks(tiny_llama, kind):
     assert torch.equal(last[0], last[1])
     assert torch.equal(engine.cache.k[:, 0, :, :n], engine.cache.k[:, 1, :, :n])
     assert torch.equal(engine.cache.v[:, 0, :, :n], engine.cache.v[:, 1, :, :n])
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_the_heads_rows_have_their_bits_however_many_are_projected(tiny_llama, kind):
+    """Where the engine says batch_invariant, a prompt's first token is sampled from the
+    same logits alone or beside more prompts than the head's compact form takes in one call
+    (past `max_rows` it would take the float matrix), and echo's prompt rows read them too."""
+    engine = Engine(tiny_llama, slots=1, ctx=256, decode_weights=kind)
+    assert engine.info.batch_invariant
+    model = engine.model
+    hidden = torch.randn(3 * model.lm_head.max_rows + 5, model.cfg.d_model)
+    together = model.logits(hidden)
+    alone = torch.cat([model.logits(row[None]) for row in hidden])
+    assert torch.equal(together, alone)
+    assert torch.equal(model.logits(hidden, row_invariant=True), alone)
