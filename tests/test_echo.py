@@ -156,3 +156,26 @@ def test_echo_reads_every_prefill_chunk_of_a_long_prompt(server, tiny_llama):
         assert alone["tokens"][0] == lp["tokens"][k]
         want = lp["token_logprobs"][k] if exact else pytest.approx(lp["token_logprobs"][k], 1e-4)
         assert alone["token_logprobs"][0] == want
+
+
+def test_lm_evals_loglikelihood_request(server, tiny_llama):
+    """The body lm-eval's `local-completions` sends for loglikelihood (token ids, a batch
+    of them, one new token, echo, one log-prob) and how it reads the answer: by index, the
+    continuation's tokens `token_logprobs[ctxlen:-1]`, greedy if each is its top's best."""
+    tok = Tokenizer.from_gguf(tiny_llama)
+    pairs = [("The sea was", " calm"), ("The ships sailed", " home and away")]
+    prompts, ctxlens = [], []
+    for ctx, cont in pairs:
+        ctx_ids = tok.encode(ctx, add_bos=tok.add_bos)
+        prompts.append(ctx_ids + tok.encode(cont))
+        ctxlens.append(len(ctx_ids))
+    body = {"model": "tiny-llama.gguf", "prompt": prompts, "temperature": 0, "max_tokens": 1}
+    out = complete(server, **body, logprobs=1, seed=1234, echo=True)
+    choices = sorted(out["choices"], key=lambda c: c["index"])
+    for choice, ctxlen, ids in zip(choices, ctxlens, prompts, strict=True):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + 1
+        continuation = lp["token_logprobs"][ctxlen:-1]
+        assert len(continuation) == len(ids) - ctxlen and all(x < 0 for x in continuation)
+        for token, top in zip(lp["tokens"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1], strict=True):
+            assert token in top and max(top.values()) >= top[token]
