@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from mashbox.text.tokenizer import Tokenizer
+from support.serverproc import serving
 
 PROMPT = "The sea was calm, and the ships sailed home"
 
@@ -179,3 +180,22 @@ def test_lm_evals_loglikelihood_request(server, tiny_llama):
         assert len(continuation) == len(ids) - ctxlen and all(x < 0 for x in continuation)
         for token, top in zip(lp["tokens"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1], strict=True):
             assert token in top and max(top.values()) >= top[token]
+
+
+def test_echoed_log_probs_are_bounded_in_all(tiny_llama):
+    """32 answers of a 4,200-token prompt would echo 134,400 entries (~65 MB of JSON): a
+    400 naming echo before any of it is computed. Without logprobs the echo is text alone,
+    bounded by the context only; a 4,000-token prompt's log-probs are answered whole."""
+    with serving(str(tiny_llama), "--ctx", "8192", "--slots", "2", "--threads", "1") as proc:
+        over = {"prompt": [[1] + [300] * 4199] * 4, "n": 8, "echo": True, "max_tokens": 1}
+        r = httpx.post(proc.url + "/v1/completions", json={**over, "logprobs": 0}, timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "echo" and "134400 prompt tokens" in error["message"]
+        assert "at most 131072" in error["message"]
+        r = httpx.post(proc.url + "/v1/completions", json=over, timeout=120)
+        assert r.status_code == 200, r.text  # text alone
+        under = {**over, "prompt": [[1] + [300] * 3999], "n": 1, "logprobs": 0}
+        r = httpx.post(proc.url + "/v1/completions", json=under, timeout=120)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == 4001
