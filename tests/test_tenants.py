@@ -340,7 +340,7 @@ async def test_one_tenant_has_a_bounded_number_of_prompts_in_the_tokenizer():
     import trio
 
     from mashbox.server.errors import ApiError
-    from mashbox.server.generation import MAX_TOKENIZING_PER_TENANT, encode_prompt
+    from mashbox.server.generation import TOKENIZING_PER_TENANT, encode_prompt
 
     class SlowTokenizer:
         max_token_chars, add_bos = 1, False
@@ -361,7 +361,7 @@ async def test_one_tenant_has_a_bounded_number_of_prompts_in_the_tokenizer():
         except ApiError as exc:
             outcomes.append((tenant, exc.status))
 
-    n = MAX_TOKENIZING_PER_TENANT
+    n = TOKENIZING_PER_TENANT.most
     async with trio.open_nursery() as nursery:
         for _ in range(n + 2):
             nursery.start_soon(send, "alice")

@@ -12,7 +12,6 @@ only) and refuses a foreign Origin.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import logging
@@ -27,6 +26,7 @@ from wsproto.frame_protocol import CloseReason
 from . import driver, openai_chat
 from .body import parse_json
 from .errors import ApiError
+from .per_tenant import PerTenant
 from .state import ServerState
 
 log = logging.getLogger("mashbox")
@@ -36,7 +36,7 @@ MAX_IN_FLIGHT = 8  # requests one socket may have running at once
 # Sockets one tenant may hold open (a chat page needs one): each holds a descriptor and its
 # tasks for as long as it stays open, idle or not.
 MAX_SOCKETS_PER_TENANT = 32
-_open_sockets: collections.Counter[str] = collections.Counter()
+OPEN_SOCKETS = PerTenant(MAX_SOCKETS_PER_TENANT)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # one frame's message, inflated (an HTTP body's cap)
 
 
@@ -98,14 +98,13 @@ async def serve(state: ServerState) -> None:
     except ApiError as exc:
         # Refused before the upgrade: an ordinary HTTP answer (401 or 403).
         raise exc from None
-    if _open_sockets[tenant] >= MAX_SOCKETS_PER_TENANT:
-        held = f"{MAX_SOCKETS_PER_TENANT} of your WebSockets are open: close one first"
-        raise ApiError(429, held, headers={"Retry-After": "1"})
-    _open_sockets[tenant] += 1
-    try:
+    with OPEN_SOCKETS.hold(tenant, _sockets_refused):
         await _serve_socket(state, ws, headers, tenant)
-    finally:
-        _open_sockets[tenant] -= 1
+
+
+def _sockets_refused(most: int) -> ApiError:
+    held = f"{most} of your WebSockets are open: close one first"
+    return ApiError(429, held, headers={"Retry-After": "1"})
 
 
 async def _serve_socket(state: ServerState, ws, headers: dict, tenant: str) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import functools
 import hashlib
 import logging
@@ -15,6 +14,7 @@ from ..events import MAX_WAITING_PER_TENANT, Finished, Request, random_seed
 from ..protocol import SamplingParams
 from ..text.stops import MAX_STOP_CHARS, MAX_STOPS
 from .errors import ApiError, bad_request, queue_full, too_long
+from .per_tenant import PerTenant
 from .state import ServerState
 from .validate import Body
 
@@ -158,8 +158,7 @@ def max_new_tokens(body: Body, prompt_len: int, ctx: int) -> int:
 TOKENIZING = trio.CapacityLimiter(2)
 # Prompts of one tenant being tokenized or waiting to be: past this, a 429, so one tenant's
 # flood cannot fill the line in front of everyone else's. As many as may wait for a slot.
-MAX_TOKENIZING_PER_TENANT = MAX_WAITING_PER_TENANT
-_tokenizing: collections.Counter[str] = collections.Counter()
+TOKENIZING_PER_TENANT = PerTenant(MAX_WAITING_PER_TENANT)
 
 
 async def encode_prompt(
@@ -175,17 +174,15 @@ async def encode_prompt(
             f"{field}: {len(text)} characters, more than a {state.ctx}-token context can hold",
             field,
         )
-    if _tokenizing[tenant] >= MAX_TOKENIZING_PER_TENANT:
-        waiting = f"{MAX_TOKENIZING_PER_TENANT} of your prompts are being tokenized"
-        raise queue_full(waiting, whole_queue=False)
     encode = functools.partial(
         tok.encode_rendered if rendered else tok.encode, text, add_bos=tok.add_bos
     )
-    _tokenizing[tenant] += 1
-    try:
+    with TOKENIZING_PER_TENANT.hold(tenant, _tokenizing_refused):
         return await trio.to_thread.run_sync(encode, limiter=TOKENIZING)
-    finally:
-        _tokenizing[tenant] -= 1
+
+
+def _tokenizing_refused(most: int) -> ApiError:
+    return queue_full(f"{most} of your prompts are being tokenized", whole_queue=False)
 
 
 def system_fingerprint(state: ServerState, request: Request) -> str:
