@@ -199,3 +199,24 @@ def test_echoed_log_probs_are_bounded_in_all(tiny_llama):
         r = httpx.post(proc.url + "/v1/completions", json=under, timeout=120)
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == 4001
+
+
+@pytest.mark.parametrize("fault", ["crash@1", "raise@6"])
+def test_an_echo_runs_again_whole_after_an_engine_fault(server, tiny_llama, fault):
+    """The engine lost in the prompt's prefill, or after its log-probs and first tokens went
+    to the route: the answer is run again from its start and reads as if nothing happened
+    (its prompt's log-probs once, not twice)."""
+    body = {"prompt": [PROMPT, "Far away"], "n": 2, "seed": 5, "temperature": 1}
+    body |= {"echo": True, "logprobs": 2, "max_tokens": 8, "ignore_eos": True}
+    want = complete(server, **body)
+    with serving(
+        str(tiny_llama), "--ctx", "1024", "--slots", "2", "--threads", "1",
+        env={"MASHBOX_FAULTS": fault},
+    ) as proc:  # fmt: skip
+        r = httpx.post(proc.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert httpx.get(proc.url + "/health").json()["worker_restarts"] == 1
+    for mine, theirs in zip(got["choices"], want["choices"], strict=True):
+        assert mine["text"] == theirs["text"]
+        assert mine["logprobs"] == theirs["logprobs"]
