@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
+from stream_gaps import gaps_around
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -28,38 +28,21 @@ def question(i: int) -> dict:
 
 
 def measure(url: str, n_questions: int) -> dict:
-    stamps: list[float] = []
-    decided = threading.Event()
-
-    def stream() -> None:
-        body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True}
-        with httpx.stream(
-            "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=600
-        ) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    stamps.append(time.perf_counter())
-                    if decided.is_set():
-                        return
-
-    reader = threading.Thread(target=stream)
-    reader.start()
-    while len(stamps) < 40:  # decoding steadily
-        time.sleep(0.01)
     questions = {f"q{i}": question(i) for i in range(n_questions)}
     body = {"model": "jev-latest", "state": STATE, "questions": questions}
-    t0 = time.perf_counter()
-    r = httpx.post(url + "/v1/systemone", json=body, timeout=600)
-    t1 = time.perf_counter()
-    decided.set()
-    reader.join()
-    r.raise_for_status()
-    gaps = [(b - a, a) for a, b in zip(stamps, stamps[1:], strict=False)]
-    before = [g for g, at in gaps if at < t0]
-    during = [g for g, at in gaps if t0 <= at < t1]
+    answer: dict = {}
+
+    def decide() -> None:
+        t0 = time.perf_counter()
+        r = httpx.post(url + "/v1/systemone", json=body, timeout=600)
+        answer["s"] = time.perf_counter() - t0
+        r.raise_for_status()
+        answer["usage"] = r.json()["usage"]["input_tokens"]
+
+    before, during = gaps_around(url, decide)
     return {
-        "decision_s": t1 - t0,
-        "usage": r.json()["usage"]["input_tokens"],
+        "decision_s": answer["s"],
+        "usage": answer["usage"],
         "before_median": statistics.median(before),
         "during_median": statistics.median(during) if during else float("nan"),
         "during_max": max(during, default=float("nan")),

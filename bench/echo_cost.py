@@ -17,11 +17,11 @@ import argparse
 import secrets
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
+from stream_gaps import gaps_around
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -43,32 +43,7 @@ def answer_s(url: str, tokens: int, **extra) -> tuple[float, int]:
 
 def stream_gaps(url: str, during) -> tuple[float, float]:
     """A stream's median gap between events before `during()` runs, and its longest during."""
-    stamps: list[float] = []
-    done = threading.Event()
-
-    def stream() -> None:
-        body = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True}
-        with httpx.stream(
-            "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=600
-        ) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    stamps.append(time.perf_counter())
-                    if done.is_set():
-                        return
-
-    reader = threading.Thread(target=stream)
-    reader.start()
-    while len(stamps) < 40:
-        time.sleep(0.01)
-    t0 = time.perf_counter()
-    during()
-    t1 = time.perf_counter()
-    done.set()
-    reader.join()
-    gaps = [(b - a, a) for a, b in zip(stamps, stamps[1:], strict=False)]
-    before = [g for g, at in gaps if at < t0]
-    inside = [g for g, at in gaps if t0 <= at < t1]
+    before, inside = gaps_around(url, during)
     return statistics.median(before), max(inside, default=float("nan"))
 
 
