@@ -205,3 +205,19 @@ def test_the_heads_rows_have_their_bits_however_many_are_projected(tiny_llama, k
     alone = torch.cat([model.logits(row[None]) for row in hidden])
     assert torch.equal(together, alone)
     assert torch.equal(model.logits(hidden, row_invariant=True), alone)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4a16"])
+def test_more_rows_than_the_stack_takes_at_once_keep_their_bits(tiny_llama, kind):
+    """A decode step of more rows than one stack call takes (17 and 20 streams: a server with
+    more slots than that) runs in pieces of as many as it takes: each row's logits what it
+    has alone. Past 16 rows torch's ops had run instead, float matrices and all."""
+    engine = Engine(tiny_llama, slots=20, ctx=64, decode_weights=kind)
+    model = engine.model
+    for slot in range(20):
+        model.prefill(engine.cache, slot, 0, torch.tensor([1, 50, 60, 70, 80]) + slot)
+    alone = model.decode_logits(engine.cache, [3], [103], [5])
+    for n in (16, 17, 20):
+        many = model.decode_logits(engine.cache, list(range(n)), list(range(100, 100 + n)), [5] * n)
+        assert torch.equal(many.values[3], alone.values[0]), n
+        assert many.best[3] == alone.best[0] and len(many.best) == len(many.finite) == n

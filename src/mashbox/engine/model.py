@@ -453,11 +453,17 @@ class Model:
     ) -> DecodeLogits:
         """Feed one token per slot; return float32 logits [len(slots), vocab] with each row's
         greedy pick and finiteness: the stack and the head in one call where both run on the
-        kernels (the same bits as `decode`, then `logits`), else those two."""
-        if self.decode_stack is not None and len(slots) <= self.fused_rows:
-            return DecodeLogits(
-                *self.decode_stack.logits(token_ids, positions, slots, cache.k, cache.v)
-            )
+        kernels (the same bits as `decode`, then `logits`), in pieces of as many rows as
+        the call takes (each row's bits what it has alone); else those two."""
+        if n := self.fused_rows:
+            pieces = [
+                self.decode_stack.logits(
+                    token_ids[i : i + n], positions[i : i + n], slots[i : i + n], cache.k, cache.v
+                )
+                for i in range(0, len(slots), n)
+            ]
+            values, best, finite = zip(*pieces, strict=True)
+            return DecodeLogits(torch.cat(values), sum(best, []), sum(finite, []))
         ids = torch.tensor(token_ids, device=self.device)
         hidden = self.decode(cache, slots, ids, torch.tensor(positions, device=self.device))
         return DecodeLogits.of(self.logits(hidden))
@@ -465,9 +471,14 @@ class Model:
     def decode(self, cache: KVCache, slots: list[int], token_ids: Tensor, positions: Tensor):
         """Feed one token per slot (a batch); return hidden states [len(slots), d_model]."""
         slot_index = torch.tensor(slots, device=self.device)
-        if self.decode_stack is not None and len(slots) <= INT8_MAX_ROWS:
-            x = self.embedding(token_ids)
-            return self.decode_stack.forward(x, positions, slot_index, cache.k, cache.v)
+        if self.decode_stack is not None:  # INT8_MAX_ROWS rows a call: each row's bits alone
+            x, n = self.embedding(token_ids), INT8_MAX_ROWS
+            return torch.cat([
+                self.decode_stack.forward(
+                    x[i : i + n], positions[i : i + n], slot_index[i : i + n], cache.k, cache.v
+                )
+                for i in range(0, len(slots), n)
+            ])  # fmt: skip
         lengths = [int(p) + 1 for p in positions.tolist()]
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
