@@ -24,8 +24,8 @@ def pick(
     to the tenant holding the fewest slots (counting those just picked), the oldest request
     first among equals; a tenant at `tenant_slots` waits. So one tenant's requests, however
     many or slow, never keep another's from the next free slot. Their prompts: at most
-    `budget` tokens in all (the next pick past it stays waiting). A later choice of n waits
-    for their prompt's first choice's prefill (`Sequence.waits_for_leader`). In arrival order."""
+    `budget` tokens in all (the next pick past it stays waiting). A later choice waits for
+    its prompt's first choice's prefill (`Sequence.waits_for_leader`). In arrival order."""
     holding = collections.Counter(s.seq.request.tenant for s in slots if s.seq)
     picked: list[Sequence] = []
     while len(picked) < n:
@@ -47,7 +47,8 @@ def pick(
 
 
 def match(seq: Sequence, slot: Slot) -> int:
-    """The prompt tokens the slot still holds for this request (its tenant's, never pooled)."""
+    """The prompt tokens the slot still holds for this request (its tenant's; none for one
+    that reads every position: pooled, or echo's log-probs)."""
     if seq.request.reads_every_position or slot.tenant != seq.request.tenant:
         return 0
     return common_prefix(slot.tokens, seq.request.prompt_ids)
