@@ -219,3 +219,48 @@ def test_an_echo_runs_again_whole_after_an_engine_fault(server, tiny_llama):
     for mine, theirs in zip(got["choices"], want["choices"], strict=True):
         assert mine["text"] == theirs["text"]
         assert mine["logprobs"] == theirs["logprobs"]
+
+
+# --- vLLM's tokenizer routes: what an evaluation harness counts a context's tokens with ---
+
+
+def test_tokenize_is_what_completions_prompts_are(server, tiny_llama):
+    tok = Tokenizer.from_gguf(tiny_llama)
+    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()
+    assert r["tokens"] == tok.encode(PROMPT, add_bos=tok.add_bos)
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 1024
+    usage = complete(server, prompt=PROMPT, max_tokens=1)["usage"]
+    assert usage["prompt_tokens"] == r["count"]  # the same tokens a completion reads
+    bare = httpx.post(
+        server.url + "/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}
+    ).json()["tokens"]
+    assert bare == tok.encode(PROMPT)
+    text = httpx.post(server.url + "/detokenize", json={"tokens": bare}).json()["prompt"]
+    assert text == tok.decode(bare)
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"]
+    eos = httpx.post(
+        server.url + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}
+    ).json()["tokens"]
+    assert eos == [tok.eos_id]  # a special token spelled in the text is that token
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}, "messages"),
+        ("/tokenize", {"prompt": "Hi", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ("/tokenize", {"prompt": "Hi", "model": "other"}, "model"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens"),
+        ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+        ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+        ("/detokenize", {"tokens": [1.5]}, "tokens"),
+        ("/detokenize", {"tokens": [1] * 131073}, "tokens"),
+    ],
+)
+def test_the_tokenizer_routes_refuse_what_is_not_theirs(server, path, body, field):
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == field

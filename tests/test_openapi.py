@@ -87,6 +87,9 @@ DELIBERATE = {
     ("route", "post", "/v1/embeddings"): "seed 001's embeddings",
     ("route", "post", "/v1/systemone"): "seed 004's typed decisions",
     ("route", "get", "/v1/limits"): "seed 004's limits",
+    ("route", "post", "/tokenize"): "vLLM's tokenizer routes, for evaluation harnesses",
+    ("route", "post", "/detokenize"): "vLLM's tokenizer routes, for evaluation harnesses",
+    ("route", "get", "/tokenizer_info"): "vLLM's tokenizer routes, for evaluation harnesses",
     ("required", "ModelList", "models"): "ollama-style clients read `models` beside `data`",
 }
 

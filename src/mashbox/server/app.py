@@ -23,6 +23,7 @@ from . import (
     responses_api,
     status,
     systemone_api,
+    tokenize_api,
 )
 from . import ui as chat_ui
 from .body import parse_json, read_body
@@ -174,6 +175,18 @@ def create_app(state: ServerState, *, ui: bool = False, drain: Drain | None = No
     @app.get("/v1/status")
     async def local_status():
         return _json(status.local_status(state))
+
+    @app.post("/tokenize")
+    async def tokenize():
+        return _json(await tokenize_api.tokenize(state, await _json_body(), g.tenant))
+
+    @app.post("/detokenize")
+    async def detokenize():
+        return _json(tokenize_api.detokenize(state, await _json_body()))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return _json(tokenize_api.tokenizer_info(state))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens():

@@ -162,12 +162,18 @@ TOKENIZING_PER_TENANT = PerTenant(MAX_WAITING_PER_TENANT)
 
 
 async def encode_prompt(
-    state: ServerState, text: str, field: str, *, tenant: str = "", rendered: bool = False
+    state: ServerState,
+    text: str,
+    field: str,
+    *,
+    tenant: str = "",
+    rendered: bool = False,
+    add_bos: bool | None = None,
 ) -> list[int]:
-    """The prompt's token ids (bos first where the model wants it), counted off the event
-    loop; a text too long for any context is a 400 before any work is done on it. rendered:
-    a chat template's output, whose client text `chat.render` defused (a raw completions
-    prompt is the client's own, special tokens and all)."""
+    """The prompt's token ids (bos first where the model wants it, or where add_bos says),
+    counted off the event loop; a text too long for any context is a 400 before any work is
+    done on it. rendered: a chat template's output, whose client text `chat.render` defused
+    (a raw completions prompt is the client's own, special tokens and all)."""
     tok = state.tokenizer
     if len(text) > state.ctx * tok.max_token_chars:
         raise too_long(
@@ -175,7 +181,9 @@ async def encode_prompt(
             field,
         )
     encode = functools.partial(
-        tok.encode_rendered if rendered else tok.encode, text, add_bos=tok.add_bos
+        tok.encode_rendered if rendered else tok.encode,
+        text,
+        add_bos=tok.add_bos if add_bos is None else add_bos,
     )
     with TOKENIZING_PER_TENANT.hold(tenant, _tokenizing_refused):
         return await trio.to_thread.run_sync(encode, limiter=TOKENIZING)
