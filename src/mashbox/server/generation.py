@@ -211,6 +211,18 @@ def biasable_tokens(state: ServerState) -> int:
     return min(state.tokenizer.vocab_size, info.vocab_size if info else 2**31)
 
 
+def check_token_ids(ids: list, vocab: int, where: str) -> None:
+    """A 400 naming `where` for an item of `ids` that is not an integer token id below
+    `vocab` (the client's own token ids: completions' prompts, /detokenize)."""
+    for token in ids:
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise bad_request(f"{where} must be a list of token ids (integers)", where)
+        if not 0 <= token < vocab:
+            raise bad_request(
+                f"{where}: token id {token} is not in the vocabulary (0 to {vocab - 1})", where
+            )
+
+
 def check_fits(body: Body, state: ServerState, prompt_tokens: int, field: str = "") -> None:
     """A 400 for a prompt that leaves no room in the context for one new token."""
     if prompt_tokens >= state.ctx:

@@ -19,6 +19,7 @@ from .generation import (
     build_request,
     check_fits,
     check_model,
+    check_token_ids,
     choice_count,
     encode_prompt,
     for_prompt,
@@ -73,14 +74,7 @@ def token_prompt(state: ServerState, body: Body, ids: list, where: str) -> list[
     """A prompt given as token ids, taken as they are (no bos added), each of the
     vocabulary. Its length is checked first, so a huge list is refused before it is read."""
     check_fits(body, state, len(ids), where)
-    vocab = biasable_tokens(state)
-    for token in ids:
-        if not _is_token(token):
-            raise bad_request(f"{where} must be a list of token ids (integers)", where)
-        if not 0 <= token < vocab:
-            raise bad_request(
-                f"{where}: token id {token} is not in the vocabulary (0 to {vocab - 1})", where
-            )
+    check_token_ids(ids, biasable_tokens(state), where)
     return ids
 
 

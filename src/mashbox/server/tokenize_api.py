@@ -8,7 +8,7 @@ wants one."""
 from __future__ import annotations
 
 from .errors import bad_request, not_ready
-from .generation import biasable_tokens, check_model, encode_prompt
+from .generation import biasable_tokens, check_model, check_token_ids, encode_prompt
 from .state import ServerState
 from .validate import Body
 
@@ -43,10 +43,7 @@ def detokenize(state: ServerState, data) -> dict:
         raise bad_request("tokens must be a list of token ids", "tokens")
     if len(tokens) > MAX_DETOKENIZE:
         raise bad_request(f"tokens: {len(tokens)} ids; at most {MAX_DETOKENIZE}", "tokens")
-    vocab = biasable_tokens(state)
-    for token in tokens:
-        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
-            raise bad_request(f"tokens: {token!r} is not a token id (0 to {vocab - 1})", "tokens")
+    check_token_ids(tokens, biasable_tokens(state), "tokens")
     return {"prompt": state.tokenizer.decode(tokens)}
 
 
