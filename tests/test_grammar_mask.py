@@ -86,13 +86,14 @@ def serving_worker(tiny_qwen2):
     assert not loop.is_alive()
 
 
-def steps_every(conn, seconds: float, until: float) -> int:
-    """Send empty steps `seconds` apart, each after the last one's answer, until `until`."""
-    sent = 0
+def steps_every(conn, seconds: float, until: float) -> list[float]:
+    """Send empty steps `seconds` apart, each after the last one's answer, until `until`:
+    the times they were sent."""
+    sent = []
     while time.monotonic() < until:
-        send(conn, Step(index=sent))
+        sent.append(time.monotonic())
+        send(conn, Step(index=len(sent) - 1))
         assert isinstance(conn.recv(), StepResult)
-        sent += 1
         time.sleep(seconds)
     return sent
 
@@ -102,10 +103,12 @@ def test_the_worker_reads_the_vocabulary_once_it_is_idle(serving_worker):
     IDLE_S starts it, once."""
     conn, _, ran = serving_worker
     t0 = time.monotonic()
-    assert steps_every(conn, 0.05, t0 + 1.5) > 5
+    sent = steps_every(conn, 0.05, t0 + 1.5)
+    assert len(sent) > 5
     assert ran == []  # answers at ready come first
     time.sleep(worker.IDLE_S + 0.5)
-    assert len(ran) == 1 and ran[0] - t0 >= 1.5 + worker.IDLE_S - 0.05
+    # The pause counts from the worker's answer to the last step, after it was sent.
+    assert len(ran) == 1 and ran[0] - sent[-1] >= worker.IDLE_S
     steps_every(conn, worker.IDLE_S + 0.2, time.monotonic() + 3)
     assert len(ran) == 1
 
