@@ -50,3 +50,17 @@ def test_get_weather_comes_back_as_a_tool_call(client):
     assert "paris" in json.loads(call.function.arguments)["city"].lower()
     assert call.id.startswith("call_")
     assert not (choice.message.content or "").strip()
+
+
+def test_it_fills_in_the_middle_of_code(client):
+    """`suffix`: the model writes what goes between the prompt and the suffix (greedy; the
+    same text as llama-server's /completion given the marked prompt on this GGUF)."""
+    r = client.completions.create(
+        model=MODEL,
+        prompt="def add(a, b):\n    return ",
+        suffix="\n\nassert add(2, 3) == 5\n",
+        max_tokens=3,
+        temperature=0,
+    )
+    assert r.choices[0].text == "a + b"
+    assert r.usage.prompt_tokens == 25

@@ -82,17 +82,20 @@ def build_tiny_llama(workdir: Path, *, quantize: bool = False, seed: int = 0) ->
     )
 
 
-def build_tiny_qwen2(workdir: Path, *, seed: int = 1) -> Path:
-    """A 2-layer Qwen2 (qkv bias, tied embeddings) with a byte-level BPE vocabulary, as GGUF."""
+def build_tiny_qwen2(
+    workdir: Path, *, seed: int = 1, more_special: tuple[str, ...] = (), add_bos: bool = False
+) -> Path:
+    """A 2-layer Qwen2 (qkv bias, tied embeddings) with a byte-level BPE vocabulary, as GGUF
+    (with `more_special` tokens, and a bos put first where add_bos)."""
     from . import tinytok
 
     workdir.mkdir(parents=True, exist_ok=True)
-    tok = tinytok.train_bpe(workdir)
+    tok = tinytok.train_bpe(workdir, more_special=more_special)
     weights = random_weights(vocab=tok.get_vocab_size(), qkv_bias=True, tied=True, seed=seed)
     return write_gguf(
         workdir / "tiny-qwen2.gguf",
         weights,
-        lambda w: tinytok.add_bpe_tokenizer(w, tok, pre="qwen2"),
+        lambda w: tinytok.add_bpe_tokenizer(w, tok, pre="qwen2", add_bos=add_bos),
         arch="qwen2",
     )
 

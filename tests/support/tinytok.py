@@ -87,10 +87,13 @@ def train_spm(workdir: Path, vocab_size: int = 400) -> Path:
     return train(Path(workdir), text=TRAIN_TEXT, vocab_size=vocab_size, name="tinyspm")
 
 
-def train_bpe(workdir: Path, vocab_size: int = 400) -> tokenizers.Tokenizer:
+def train_bpe(
+    workdir: Path, vocab_size: int = 400, more_special: tuple[str, ...] = ()
+) -> tokenizers.Tokenizer:
     """Train a byte-level BPE tokenizer (Qwen2 pre-tokenizer) on TRAIN_TEXT.
 
-    Its special tokens <|endoftext|>, <|im_start|> and <|im_end|> are ids 0, 1 and 2.
+    Its special tokens <|endoftext|>, <|im_start|> and <|im_end|> are ids 0, 1 and 2, then
+    `more_special`'s.
     """
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -102,7 +105,7 @@ def train_bpe(workdir: Path, vocab_size: int = 400) -> tokenizers.Tokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=BPE_SPECIAL_TOKENS,
+        special_tokens=[*BPE_SPECIAL_TOKENS, *more_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -145,11 +148,12 @@ def add_bpe_tokenizer(
     *,
     pre: str = "qwen2",
     chat_template: str = CHATML_TEMPLATE,
+    add_bos: bool = False,
 ) -> int:
     """Write a byte-level BPE tokenizer's tokenizer.ggml.* keys (model 'gpt2').
 
-    Special added tokens become CONTROL tokens; bos is <|endoftext|> but not added, eos is
-    <|im_end|>, as Qwen2's GGUF files have them. Return the vocabulary size.
+    Special added tokens become CONTROL tokens; bos is <|endoftext|> but not added (unless
+    add_bos), eos is <|im_end|>, as Qwen2's GGUF files have them. Return the vocabulary size.
     """
     import gguf
 
@@ -168,7 +172,7 @@ def add_bpe_tokenizer(
     writer.add_bos_token_id(vocab["<|endoftext|>"])
     writer.add_eos_token_id(vocab["<|im_end|>"])
     writer.add_pad_token_id(vocab["<|endoftext|>"])
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(add_bos)
     writer.add_chat_template(chat_template)
     return len(tokens)
 

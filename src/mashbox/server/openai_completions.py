@@ -70,19 +70,69 @@ def _where(index: int, count: int) -> str:
     return "prompt" if count == 1 else f"prompt[{index}]"
 
 
-def token_prompt(state: ServerState, body: Body, ids: list, where: str) -> list[int]:
+@attrs.frozen
+class Infill:
+    """Fill-in-the-middle (`suffix`): each prompt is the prefix, and the model reads it between
+    its markers as the coder models' cards write them, [bos] <prefix> PROMPT <suffix> SUFFIX
+    <middle>, then writes the middle. The bos only before a text prompt, where the model
+    wants one (token ids are taken as they are). llama-server's /infill puts a repository
+    and a file name first, which qwen2.5-coder-0.5b-instruct answered worse."""
+
+    bos: tuple[int, ...]
+    prefix: int
+    after: tuple[int, ...]  # the suffix marker, the suffix's tokens, the middle marker
+
+    def around(self, ids: list[int], *, text: bool) -> list[int]:
+        return [*(self.bos if text else ()), self.prefix, *ids, *self.after]
+
+    def extra(self, *, text: bool) -> int:
+        return len(self.around([], text=text))
+
+
+async def infill(state: ServerState, body: Body, tenant: str) -> Infill | None:
+    """What `suffix` asks for: None for a plain continuation (no suffix, or an empty one on a
+    model without fill-in-the-middle markers, as some clients always send the field)."""
+    suffix = body.str("suffix")
+    if suffix is None:
+        return None
+    tok = state.tokenizer
+    if tok.fim_ids is None:
+        if suffix == "":
+            return None
+        raise bad_request(
+            f"suffix is not supported by {state.model_id}: its vocabulary has no "
+            "fill-in-the-middle tokens",
+            "suffix",
+        )
+    if body.bool("echo", False):
+        raise bad_request("suffix cannot be used with echo", "suffix")
+    prefix, marker, middle = tok.fim_ids
+    ids = await encode_prompt(state, suffix, "suffix", tenant=tenant, add_bos=False)
+    bos = (tok.bos_id,) if tok.add_bos and tok.bos_id is not None else ()
+    return Infill(bos, prefix, (marker, *ids, middle))
+
+
+def token_prompt(state: ServerState, body: Body, ids: list, where: str, extra: int = 0):
     """A prompt given as token ids, taken as they are (no bos added), each of the
-    vocabulary. Its length is checked first, so a huge list is refused before it is read."""
-    check_fits(body, state, len(ids), where)
+    vocabulary. Its length (with `extra` tokens around it) is checked first, so a huge list
+    is refused before it is read."""
+    check_fits(body, state, len(ids) + extra, where)
     check_token_ids(ids, biasable_tokens(state), where)
     return ids
 
 
-async def prompt_ids(state: ServerState, body: Body, prompt, where: str, tenant: str):
-    """One prompt's token ids, checked to fit the context (`where`: how errors name it)."""
-    if isinstance(prompt, list):
-        return token_prompt(state, body, prompt, where)
-    ids = await encode_prompt(state, prompt, where, tenant=tenant)
+async def prompt_ids(
+    state: ServerState, body: Body, prompt, where: str, tenant: str, fim: Infill | None = None
+) -> list[int]:
+    """One prompt's token ids (inside fim's markers, where `suffix` asks), checked to fit
+    the context (`where`: how errors name it)."""
+    text = not isinstance(prompt, list)
+    if not text:
+        ids = token_prompt(state, body, prompt, where, fim.extra(text=False) if fim else 0)
+        return fim.around(ids, text=False) if fim else ids
+    ids = await encode_prompt(state, prompt, where, tenant=tenant, add_bos=False if fim else None)
+    if fim:
+        ids = fim.around(ids, text=True)
     check_fits(body, state, len(ids), where)
     return ids
 
@@ -103,7 +153,6 @@ def check_echo_size(entries: int) -> None:
 
 def refuse_what_is_not_done(body: Body, n: int) -> None:
     """OpenAI's completions fields mashbox does not do: a 400, not an answer without them."""
-    body.refuse("suffix", "the models here write after the prompt")
     if body.int("best_of", n) != n:
         raise bad_request("best_of is not supported: n asks for several choices", "best_of")
 
@@ -120,8 +169,9 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
             f"answers; at most {MAX_ANSWERS} in one request",
             "prompt",
         )
+    fim = await infill(state, body, tenant)
     wheres = [_where(i, len(prompts)) for i in range(len(prompts))]
-    ids = [await prompt_ids(state, body, p, wheres[i], tenant) for i, p in enumerate(prompts)]
+    ids = [await prompt_ids(state, body, p, wheres[i], tenant, fim) for i, p in enumerate(prompts)]
     request = build_request(
         body, state, ids[0], tenant, logprobs=-1 if top is None else top, most_choices=MAX_CHOICES
     )

@@ -60,6 +60,8 @@ def model_card(state: ServerState) -> dict:
         "kernels_fallback": info.kernels_fallback or None if info else None,
         "batch_invariant": info.batch_invariant if info else None,
         "prefix_cache": True,
+        # `suffix` on /v1/completions: the vocabulary has fill-in-the-middle markers.
+        "fill_in_the_middle": bool(state.tokenizer and state.tokenizer.fim_ids),
         "slots": state.slots,
         "cache_ram_mib": snap.scheduler.cache_cap_bytes // 2**20 if snap.scheduler else 0,
     }

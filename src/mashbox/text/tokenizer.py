@@ -49,6 +49,8 @@ class Tokenizer:
         self.bos_id: int | None = vocab.bos_id
         self.eos_id: int | None = vocab.eos_id
         self.eog_ids: frozenset[int] = vocab.eog_ids
+        # (prefix, suffix, middle) markers of fill-in-the-middle, where the model has them.
+        self.fim_ids: tuple[int, int, int] | None = vocab.fim_ids
         self.add_bos: bool = spec.add_bos
         self.chat_template: str | None = spec.chat_template
         # No token stands for more characters than this: a longer text than ctx times it

@@ -66,6 +66,14 @@ _FIM_EOG_TEXTS = (
     ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     ("<|file_sep|>",),
 )
+# Fill-in-the-middle's three markers, as llama.cpp finds them where the file names none:
+# before the prefix, before the suffix, and where the middle is to be written (Qwen2.5-Coder,
+# CodeGemma and Granite, StarCoder, DeepSeek-Coder, CodeLlama).
+_FIM_TEXTS = (
+    ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>"),
+    ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>"),
+    ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>"),
+)
 # The token after which Harmony-style templates keep going, unlike the others.
 _HARMONY_END = "<|end|>"
 
@@ -108,6 +116,8 @@ class Vocab:
     bos_id: int | None
     eos_id: int | None
     eog_ids: frozenset[int]
+    # Fill-in-the-middle's (prefix, suffix, middle) marker ids; None where any is missing.
+    fim_ids: tuple[int, int, int] | None
     # The first id of each (non-empty) token text: a vocabulary may repeat a text.
     ids: dict[str, int] = attrs.field(eq=False, repr=False)
     specials: SpecialTokens = attrs.field(eq=False, repr=False)
@@ -132,6 +142,10 @@ def _token_type(value: int) -> TokenType:
         return TokenType.UNDEFINED
 
 
+def _first_of(by_text: Mapping[str, int], texts: Iterable[str]) -> int | None:
+    return next((by_text[t] for t in texts if t in by_text), None)
+
+
 def _special_tokens(tokens: Sequence[str], types: Sequence[TokenType]) -> SpecialTokens:
     ids: dict[str, int] = {}
     for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
@@ -151,8 +165,11 @@ def finish_vocab(
     bos_id: int | None,
     eos_id: int | None,
     extra_eog: Iterable[int | None] = (),
+    fim_ids: Sequence[int | None] = (None, None, None),
 ) -> Vocab:
-    """Collect end-of-generation ids as llama.cpp does, and make those tokens CONTROL."""
+    """Collect end-of-generation ids as llama.cpp does, and make those tokens CONTROL.
+    fim_ids: the file's own fill-in-the-middle marker ids, each found by its text where the
+    file names none."""
     n = len(tokens)
     kinds = [_token_type(t) for t in types]
     by_text: dict[str, int] = {}
@@ -178,6 +195,10 @@ def finish_vocab(
         # llama.cpp overrides a control-looking EOG token's type, so it is never printed.
         if tokens[i] in _EOG_TEXTS or any(tokens[i] in names for names in _FIM_EOG_TEXTS):
             kinds[i] = TokenType.CONTROL
+    fim = tuple(
+        named if named is not None and 0 <= named < n else _first_of(by_text, texts)
+        for named, texts in zip(fim_ids, _FIM_TEXTS, strict=True)
+    )
     return Vocab(
         tokens=tuple(tokens),
         types=tuple(kinds),
@@ -185,6 +206,7 @@ def finish_vocab(
         bos_id=bos_id if bos_id is not None and 0 <= bos_id < n else None,
         eos_id=eos_id if eos_id is not None and 0 <= eos_id < n else None,
         eog_ids=frozenset(eog),
+        fim_ids=None if None in fim else fim,
         ids=by_text,
         specials=_special_tokens(tokens, kinds),
     )

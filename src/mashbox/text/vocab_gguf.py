@@ -56,11 +56,16 @@ def _spec_from_fields(f: dict[str, Any]) -> TokenizerSpec:
         return default if value is None or not 0 <= value < len(tokens) else int(value)
 
     extra_eog = (special("eot"), special("eom"))
+    # Newer files name the markers fim_pre/suf/mid, older ones prefix/suffix/middle.
+    fim_ids = tuple(
+        special(new) if special(new) is not None else special(old)
+        for new, old in (("fim_pre", "prefix"), ("fim_suf", "suffix"), ("fim_mid", "middle"))
+    )
     if model == "gpt2":
         pre = pre_tokenizer_for(f.get("tokenizer.ggml.pre"))
         vocab = finish_vocab(
             tokens, types, byte_level=True, bos_id=special("bos"), eos_id=special("eos"),
-            extra_eog=extra_eog,
+            extra_eog=extra_eog, fim_ids=fim_ids,
         )  # fmt: skip
         merges = f.get("tokenizer.ggml.merges") or []
         encode = bpe_encoder(vocab, merges, pre)
@@ -69,7 +74,7 @@ def _spec_from_fields(f: dict[str, Any]) -> TokenizerSpec:
     elif model == "llama":
         vocab = finish_vocab(
             tokens, types, byte_level=False, bos_id=special("bos", 1), eos_id=special("eos", 2),
-            extra_eog=extra_eog,
+            extra_eog=extra_eog, fim_ids=fim_ids,
         )  # fmt: skip
         scores = [float(s) for s in f.get("tokenizer.ggml.scores") or [0.0] * len(tokens)]
         prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))

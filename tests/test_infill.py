@@ -1,0 +1,190 @@
+"""Fill in the middle: `suffix` on /v1/completions. The prompt is the code before the hole,
+the suffix the code after it, and the model reads them between its vocabulary's markers,
+[bos] <prefix> PROMPT <suffix> SUFFIX <middle>, then writes the middle (Qwen2.5-Coder's,
+StarCoder's, DeepSeek-Coder's and CodeLlama's markers; as llama-server's /completion given
+that text, which matched on qwen2.5-coder-0.5b)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from mashbox.text.tokenizer import Tokenizer
+from mashbox.text.vocab_gguf import _spec_from_fields
+from support.serverproc import serving
+from support.tinymodels import build_tiny_qwen2
+
+# Qwen2.5-Coder's markers, in its vocabulary's order (prefix, middle, suffix: the suffix
+# marker's id is not the middle one's).
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>")
+PREFIX = "def add(a, b):\n    return "
+SUFFIX = "\n\nfor i in range(10):\n    print(i)\n"
+
+
+@pytest.fixture(scope="module")
+def coder(tmp_path_factory):
+    """A tiny Qwen2 with fill-in-the-middle markers, which puts a bos first."""
+    return build_tiny_qwen2(
+        tmp_path_factory.mktemp("tiny-coder"), more_special=FIM_TOKENS, add_bos=True
+    )
+
+
+@pytest.fixture(scope="module")
+def coder_server(coder, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "coder.log"
+    with serving(str(coder), "--ctx", "256", "--slots", "2", "--threads", "1", log=log) as proc:
+        yield proc
+
+
+def complete(server, expect: int = 200, **body) -> dict:
+    body = {"max_tokens": 8, "temperature": 0} | body
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == expect, r.text
+    return r.json()
+
+
+def fim_ids(tok: Tokenizer, prefix: list[int], suffix: str, bos: bool) -> list[int]:
+    pre, suf, mid = (
+        tok.token_id(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+    )
+    return [*([tok.bos_id] if bos else []), pre, *prefix, suf, *tok.encode(suffix), mid]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"temperature": 1, "seed": 11}, {"logprobs": 2}],
+    ids=["greedy", "seeded", "logprobs"],
+)
+def test_the_middle_is_what_the_marked_prompt_gives(coder_server, coder, fields):
+    """A suffix request is the completion of the prompt with the markers written out: the same
+    text, log-probs and prompt tokens (bos first here: this model puts one first)."""
+    tok = Tokenizer.from_gguf(coder)
+    assert tok.add_bos and tok.bos_id is not None
+    marked = fim_ids(tok, tok.encode(PREFIX), SUFFIX, bos=True)
+    fim = complete(coder_server, prompt=PREFIX, suffix=SUFFIX, **fields)
+    plain = complete(coder_server, prompt=marked, **fields)
+    assert fim["choices"] == plain["choices"]
+    assert fim["usage"] == plain["usage"]
+    assert fim["usage"]["prompt_tokens"] == len(marked)
+    # Without the suffix the model reads another prompt (so the test above could fail).
+    alone = complete(coder_server, prompt=PREFIX, **fields)
+    assert alone["usage"]["prompt_tokens"] == len(tok.encode(PREFIX, add_bos=True))
+
+
+def test_token_prompts_lists_and_streams_take_the_suffix_too(coder_server, coder):
+    tok = Tokenizer.from_gguf(coder)
+    ids = tok.encode(PREFIX)
+    # Token ids are taken as they are: no bos before the prefix marker.
+    by_ids = complete(coder_server, prompt=ids, suffix=SUFFIX)
+    assert by_ids["usage"]["prompt_tokens"] == len(fim_ids(tok, ids, SUFFIX, bos=False))
+    assert (
+        by_ids["choices"]
+        == complete(coder_server, prompt=fim_ids(tok, ids, SUFFIX, bos=False))["choices"]
+    )
+    # A list of prompts: each its own prefix before the same suffix, as alone.
+    other = "x = 1\n"
+    both = complete(coder_server, prompt=[PREFIX, other], suffix=SUFFIX, n=2, seed=3, temperature=1)
+    for i, p in enumerate([PREFIX, other]):
+        alone = complete(coder_server, prompt=p, suffix=SUFFIX, n=2, seed=3, temperature=1)
+        assert [c["text"] for c in both["choices"][2 * i : 2 * i + 2]] == [
+            c["text"] for c in alone["choices"]
+        ]
+    # Streamed, the same middle.
+    whole = complete(coder_server, prompt=PREFIX, suffix=SUFFIX, max_tokens=12)
+    with httpx.stream(
+        "POST",
+        coder_server.url + "/v1/completions",
+        json={
+            "prompt": PREFIX,
+            "suffix": SUFFIX,
+            "max_tokens": 12,
+            "temperature": 0,
+            "stream": True,
+        },
+        timeout=60,
+    ) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"])
+    assert text == whole["choices"][0]["text"]
+
+
+def test_the_official_sdk_sends_a_suffix(coder_server):
+    client = openai.OpenAI(base_url=coder_server.url + "/v1", api_key="unused")
+    card = client.models.list().data[0]
+    r = client.completions.create(
+        model=card.id, prompt=PREFIX, suffix=SUFFIX, max_tokens=8, temperature=0
+    )
+    want = complete(coder_server, prompt=PREFIX, suffix=SUFFIX)["choices"][0]["text"]
+    assert r.choices[0].text == want
+    assert card.model_extra["fill_in_the_middle"] is True
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({"suffix": 5}, "suffix", "must be a string"),
+        ({"suffix": ["a"]}, "suffix", "must be a string"),
+        ({"suffix": "x", "echo": True}, "suffix", "echo"),
+        ({"suffix": "word " * 5000}, "suffix", "characters"),
+        ({"suffix": "word " * 250}, "prompt", "context"),  # fits alone, not with the prompt
+        ({"prompt": list(range(252)), "suffix": "a"}, "prompt", "context"),
+    ],
+)
+def test_a_bad_suffix_is_a_400_naming_its_field(coder_server, body, field, words):
+    r = complete(coder_server, 400, **({"prompt": PREFIX} | body))
+    assert r["error"]["param"] == field and words in r["error"]["message"]
+
+
+def test_a_model_without_markers_refuses_a_suffix_but_takes_an_empty_one(server):
+    """The tests' tiny Llama has no fill-in-the-middle markers: a suffix would be ignored or
+    read as text, so it is a 400; an empty one asks for nothing (some clients always send
+    the field)."""
+    r = complete(server, 400, prompt=PREFIX, suffix="\nprint(add(1, 2))\n")
+    assert r["error"]["param"] == "suffix" and "fill-in-the-middle" in r["error"]["message"]
+    assert (
+        complete(server, prompt=PREFIX, suffix="")["choices"]
+        == complete(server, prompt=PREFIX)["choices"]
+    )
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["fill_in_the_middle"] is False
+
+
+def _fields(tokens: list[str], **ids) -> dict:
+    fields = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens}
+    fields |= {f"tokenizer.ggml.{k}_token_id": v for k, v in ids.items()}
+    return fields
+
+
+BASE = ["a", "b", "c", "d"]
+
+
+@pytest.mark.parametrize(
+    ("markers", "family"),
+    [
+        (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), "Qwen2.5-Coder, CodeGemma"),
+        (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), "StarCoder"),
+        (("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"), "DeepSeek-Coder"),
+        (("▁<PRE>", "▁<SUF>", "▁<MID>"), "CodeLlama"),
+    ],
+)
+def test_the_markers_are_found_by_their_text(markers, family):
+    tokens = [*BASE, markers[2], markers[0], markers[1]]
+    vocab = _spec_from_fields(_fields(tokens)).vocab
+    assert vocab.fim_ids == (5, 6, 4), family
+    assert _spec_from_fields(_fields([*BASE, markers[0], markers[1]])).vocab.fim_ids is None
+
+
+@pytest.mark.parametrize(
+    "names", [("fim_pre", "fim_suf", "fim_mid"), ("prefix", "suffix", "middle")]
+)
+def test_the_files_own_marker_ids_come_first(names):
+    """A file that names its markers (newer llama.cpp: fim_pre/suf/mid; older:
+    prefix/suffix/middle) is read as it says, whatever its texts are."""
+    tokens = [*BASE, "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
+    vocab = _spec_from_fields(_fields(tokens, **dict(zip(names, (1, 2, 3), strict=True)))).vocab
+    assert vocab.fim_ids == (1, 2, 3)
+    out_of_range = _fields(tokens, **dict(zip(names, (99, 2, 3), strict=True)))
+    assert _spec_from_fields(out_of_range).vocab.fim_ids == (4, 2, 3)  # found by its text
