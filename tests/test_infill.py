@@ -2,7 +2,13 @@
 the suffix the code after it, and the model reads them between its vocabulary's markers,
 [bos] <prefix> PROMPT <suffix> SUFFIX <middle>, then writes the middle (Qwen2.5-Coder's,
 StarCoder's, DeepSeek-Coder's and CodeLlama's markers; as llama-server's /completion given
-that text, which matched on qwen2.5-coder-0.5b)."""
+that text, which matched on qwen2.5-coder-0.5b).
+
+And llama-server's `POST /infill`, for editors (llama.vscode, llama.vim): the code around the
+cursor and other files' chunks go to the model as llama-server writes them, [<repo>
+myproject (<file> NAME TEXT)... <file> filename] [bos] <prefix> PREFIX PROMPT <suffix> SUFFIX
+<middle> (which gave llama-server's own tokens and text on qwen2.5-coder-0.5b), cut to fit
+the context nearest the cursor first; the answer comes in llama-server's /completion shape."""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from support.tinymodels import build_tiny_qwen2
 # Qwen2.5-Coder's markers, in its vocabulary's order (prefix, middle, suffix: the suffix
 # marker's id is not the middle one's).
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>")
+REPO_TOKENS = ("<|repo_name|>", "<|file_sep|>")  # llama-server's /infill names files with them
 PREFIX = "def add(a, b):\n    return "
 SUFFIX = "\n\nfor i in range(10):\n    print(i)\n"
 
@@ -28,7 +35,10 @@ SUFFIX = "\n\nfor i in range(10):\n    print(i)\n"
 def coder(tmp_path_factory):
     """A tiny Qwen2 with fill-in-the-middle markers, which puts a bos first."""
     return build_tiny_qwen2(
-        tmp_path_factory.mktemp("tiny-coder"), more_special=FIM_TOKENS, add_bos=True
+        tmp_path_factory.mktemp("tiny-coder"),
+        more_special=FIM_TOKENS + REPO_TOKENS,
+        add_bos=True,
+        varied=True,
     )
 
 
@@ -66,7 +76,7 @@ def test_the_middle_is_what_the_marked_prompt_gives(coder_server, coder, fields)
     marked = fim_ids(tok, tok.encode(PREFIX), SUFFIX, bos=True)
     fim = complete(coder_server, prompt=PREFIX, suffix=SUFFIX, **fields)
     plain = complete(coder_server, prompt=marked, **fields)
-    assert fim["choices"] == plain["choices"]
+    assert fim["choices"] == plain["choices"] and fim["choices"][0]["text"]
     assert fim["usage"] == plain["usage"]
     assert fim["usage"]["prompt_tokens"] == len(marked)
     # Without the suffix the model reads another prompt (so the test above could fail).
@@ -188,3 +198,149 @@ def test_the_files_own_marker_ids_come_first(names):
     assert vocab.fim_ids == (1, 2, 3)
     out_of_range = _fields(tokens, **dict(zip(names, (99, 2, 3), strict=True)))
     assert _spec_from_fields(out_of_range).vocab.fim_ids == (4, 2, 3)  # found by its text
+
+
+# --- /infill ----------------------------------------------------------------------------
+
+EXTRA = [
+    {"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"},
+    {"filename": "b.py", "text": "X = 1\n"},
+]
+
+
+def infill(server, expect: int = 200, **body) -> dict:
+    body = {"n_predict": 8, "temperature": 0} | body
+    r = httpx.post(server.url + "/infill", json=body, timeout=60)
+    assert r.status_code == expect, r.text
+    return r.json()
+
+
+def marked(tok: Tokenizer, prefix: str, suffix: str, extra=(), prompt: str = "") -> list[int]:
+    """What llama-server reads for an /infill request (its format_infill), spelled out."""
+    t = tok.token_id
+    ids = [t("<|repo_name|>"), *tok.encode("myproject\n")]
+    for chunk in extra:
+        ids += [
+            t("<|file_sep|>"),
+            *tok.encode(chunk["filename"] + "\n"),
+            *tok.encode(chunk["text"]),
+        ]
+    ids += [t("<|file_sep|>"), *tok.encode("filename\n"), tok.bos_id, t("<|fim_prefix|>")]
+    ids += [*tok.encode(prefix), *tok.encode(prompt), t("<|fim_suffix|>"), *tok.encode(suffix)]
+    return [*ids, t("<|fim_middle|>")]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"input_extra": EXTRA}, {"prompt": "a +"}, {"temperature": 1, "seed": 5, "top_k": 40}],
+    ids=["plain", "extra", "prompt", "seeded"],
+)
+def test_infill_reads_what_llama_server_writes(coder_server, coder, fields):
+    tok = Tokenizer.from_gguf(coder)
+    ids = marked(tok, PREFIX, SUFFIX, fields.get("input_extra", ()), fields.get("prompt", ""))
+    r = infill(coder_server, input_prefix=PREFIX, input_suffix=SUFFIX, ignore_eos=True, **fields)
+    sampling = {k: v for k, v in fields.items() if k in ("temperature", "seed", "top_k")}
+    want = complete(coder_server, prompt=ids, max_tokens=8, ignore_eos=True, **sampling)
+    assert r["content"] == want["choices"][0]["text"] != ""
+    assert r["tokens_evaluated"] == len(ids) == want["usage"]["prompt_tokens"]
+    assert r["tokens_predicted"] == want["usage"]["completion_tokens"]
+    assert r["stop"] is True and r["truncated"] is False
+    assert r["stop_type"] == {"length": "limit", "stop": "eos"}[want["choices"][0]["finish_reason"]]
+    assert r["has_new_line"] == ("\n" in r["content"])
+    assert r["timings"]["prompt_n"] + r["timings"]["cache_n"] == len(ids)
+
+
+def test_a_stop_word_is_reported_as_llama_server_does(coder_server):
+    body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 16, "ignore_eos": True}
+    whole = infill(coder_server, **body)
+    word = whole["content"][3:5]
+    assert len(word) == 2 and word not in whole["content"][:4]
+    r = infill(coder_server, **body, stop=[word])
+    assert r["stop_type"] == "word" and r["stopping_word"] == word
+    assert r["content"] == whole["content"][: whole["content"].index(word)]
+
+
+def test_the_stream_is_llama_servers_events(coder_server):
+    body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 12, "ignore_eos": True}
+    whole = infill(coder_server, **body)
+    with httpx.stream("POST", coder_server.url + "/infill", json=body | {"stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: {") for line in lines)  # data only, no [DONE]
+    events = [json.loads(line[6:]) for line in lines]
+    assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
+    assert "".join(e["content"] for e in events) == whole["content"]
+    last = events[-1]
+    assert last["tokens_predicted"] == whole["tokens_predicted"] == 12
+    assert last["stop_type"] == "limit" and last["tokens_evaluated"] == whole["tokens_evaluated"]
+
+
+def test_n_predict_0_warms_the_cache_and_answers_nothing(coder_server):
+    """llama.vscode sends other files' chunks with n_predict 0 ahead of the keystrokes that
+    will need them: the prompt is read into the cache; the next request finds it there."""
+    extra = [{"filename": "warm.py", "text": "def warm(x):\n    return x * 2\n" * 8}]
+    body = {"input_prefix": "y = warm(", "input_suffix": ")\n", "input_extra": extra}
+    warm = infill(coder_server, n_predict=0, **body)
+    assert warm["content"] == "" and warm["tokens_predicted"] == 0
+    then = infill(coder_server, **body)
+    assert then["tokens_cached"] >= warm["tokens_evaluated"] - 8  # all but the last few
+
+
+def test_a_long_request_is_cut_to_fit_nearest_the_cursor_first(coder_server, coder):
+    """The coder server's context is 256 tokens: far more text than that still gets an
+    answer, with `truncated` set; the prompt (the text at the cursor) is never cut."""
+    tok = Tokenizer.from_gguf(coder)
+    long = "for i in range(10):\n    print(i)\n" * 40
+    many = [{"filename": f"f{i}.py", "text": long} for i in range(4)]
+    seeded = {"temperature": 1, "seed": 9, "n_predict": 8}
+    before = "".join(f"x{i} = {i}\n" for i in range(300))
+    after = "".join(f"print(y{i})\n" for i in range(300))
+    r = infill(coder_server, input_prefix=before, input_suffix=after, input_extra=many,
+               prompt="x", **seeded)  # fmt: skip
+    assert r["truncated"] is True
+    # What is kept: the prompt whole, then the prefix's end and the suffix's start, 3:1 of the
+    # room that 8 answer tokens, the bos and the three markers leave; no chunk.
+    t, prompt = tok.token_id, tok.encode("x")
+    room = 256 - 8 - 1 - 3 - len(prompt)
+    prefix, suffix = tok.encode(before), tok.encode(after)
+    kept_prefix, kept_suffix = prefix[len(prefix) - (room - room // 4) :], suffix[: room // 4]
+    ids = [tok.bos_id, t("<|fim_prefix|>"), *kept_prefix, *prompt, t("<|fim_suffix|>")]
+    ids += [*kept_suffix, t("<|fim_middle|>")]
+    assert r["tokens_evaluated"] == len(ids) == 256 - 8
+    want = complete(coder_server, prompt=ids, max_tokens=8, temperature=1, seed=9)
+    assert r["content"] == want["choices"][0]["text"] != ""
+    # The prefix's end and the suffix's start come first; chunks only with what is left.
+    short = infill(coder_server, input_prefix=PREFIX, input_suffix=SUFFIX, input_extra=many)
+    assert short["truncated"] is True
+    assert short["tokens_evaluated"] > len(marked(tok, PREFIX, SUFFIX))  # some chunk kept
+    r = infill(coder_server, 400, input_prefix="", prompt=long * 3)
+    assert r["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"input_prefix": 5}, "input_prefix"),
+        ({"input_suffix": ["x"]}, "input_suffix"),
+        ({"prompt": {}}, "prompt"),
+        ({"input_extra": "x"}, "input_extra"),
+        ({"input_extra": ["x"]}, "input_extra[0]"),
+        ({"input_extra": [{"filename": 3, "text": "x"}]}, "input_extra[0].filename"),
+        ({"input_extra": [{"text": None}, {"text": 1}]}, "input_extra[1].text"),
+        ({"input_extra": [{"text": "x"}] * 129}, "input_extra"),
+        ({"input_extra": [{"text": "x" * 10**6}]}, "input_extra[0].text"),
+        ({"n_predict": -2}, "n_predict"),
+        ({"n_predict": "5"}, "n_predict"),
+        ({"repeat_penalty": 0}, "repeat_penalty"),
+        ({"temperature": 9}, "temperature"),
+        ({"model": "other"}, "model"),
+    ],
+)
+def test_a_bad_field_is_a_4xx_naming_it(coder_server, body, field):
+    r = httpx.post(coder_server.url + "/infill", json={"input_prefix": "x"} | body, timeout=60)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_a_model_without_markers_says_so(server):
+    r = httpx.post(server.url + "/infill", json={"input_prefix": "x"}, timeout=60)
+    assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"]

@@ -90,6 +90,7 @@ DELIBERATE = {
     ("route", "post", "/tokenize"): "vLLM's tokenizer routes, for evaluation harnesses",
     ("route", "post", "/detokenize"): "vLLM's tokenizer routes, for evaluation harnesses",
     ("route", "get", "/tokenizer_info"): "vLLM's tokenizer routes, for evaluation harnesses",
+    ("route", "post", "/infill"): "llama-server's fill in the middle, for editors",
     ("required", "ModelList", "models"): "ollama-style clients read `models` beside `data`",
 }
 

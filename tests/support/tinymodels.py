@@ -83,15 +83,24 @@ def build_tiny_llama(workdir: Path, *, quantize: bool = False, seed: int = 0) ->
 
 
 def build_tiny_qwen2(
-    workdir: Path, *, seed: int = 1, more_special: tuple[str, ...] = (), add_bos: bool = False
+    workdir: Path,
+    *,
+    seed: int = 1,
+    more_special: tuple[str, ...] = (),
+    add_bos: bool = False,
+    varied: bool = False,
 ) -> Path:
     """A 2-layer Qwen2 (qkv bias, tied embeddings) with a byte-level BPE vocabulary, as GGUF
-    (with `more_special` tokens, and a bos put first where add_bos)."""
+    (with `more_special` tokens, and a bos put first where add_bos). varied: the embedding
+    scaled down, so the tied head stops reading the input token back and text varies (as
+    build_tiny_model does)."""
     from . import tinytok
 
     workdir.mkdir(parents=True, exist_ok=True)
     tok = tinytok.train_bpe(workdir, more_special=more_special)
     weights = random_weights(vocab=tok.get_vocab_size(), qkv_bias=True, tied=True, seed=seed)
+    if varied:
+        weights["token_embd.weight"] *= 0.1
     return write_gguf(
         workdir / "tiny-qwen2.gguf",
         weights,

@@ -17,6 +17,7 @@ from . import (
     connections,
     driver,
     embeddings_api,
+    infill_api,
     openai_chat,
     openai_completions,
     openapi,
@@ -199,6 +200,7 @@ def create_app(state: ServerState, *, ui: bool = False, drain: Drain | None = No
 GENERATION_ROUTES: dict[str, driver.Parse] = {
     "/v1/chat/completions": openai_chat.parse,
     "/v1/completions": openai_completions.parse,
+    "/infill": infill_api.parse,  # llama-server's, for editors
     "/v1/responses": responses_api.parse,
     "/v1/messages": anthropic_api.parse,
 }

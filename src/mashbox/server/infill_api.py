@@ -1,0 +1,216 @@
+"""llama-server's `POST /infill`, past the seeds: code completion for editors (llama.vscode,
+llama.vim and others that speak it). The code before the cursor (`input_prefix`, then
+`prompt`), the code after it (`input_suffix`) and other files' chunks (`input_extra`) go to
+the model between its fill-in-the-middle markers as llama-server writes them; the answer is
+the middle, in llama-server's /completion shape, whole or streamed."""
+
+from __future__ import annotations
+
+import attrs
+
+from .chat import Answer, Logprobs
+from .driver import Call, Frame, OneFieldFrame, frame
+from .errors import bad_request
+from .generation import build_request, check_model, encode_prompt, system_fingerprint
+from .openai_chat import error_frame
+from .state import ServerState
+from .validate import Body
+
+# Chunks of other files an editor may send as context: llama.vscode sends up to 16 a request.
+MAX_EXTRA_CHUNKS = 128
+# The fields read as they are; llama-server's others (cache_prompt, samplers, n_indent,
+# t_max_*_ms, response_fields, id_slot) are accepted and ignored.
+SAME_FIELDS = (
+    "model", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "presence_penalty",
+    "frequency_penalty", "stream", "ignore_eos",
+)  # fmt: skip
+
+
+@attrs.frozen
+class Pieces:
+    """A request's token ids, before they are fitted to the context."""
+
+    extra: list[int]  # other files' chunks, the repository and file names
+    prefix: list[int]  # input_prefix
+    prompt: list[int]  # `prompt`: the text at the cursor, after the prefix
+    suffix: list[int]  # input_suffix
+
+
+def fit(state: ServerState, p: Pieces, reserve: int) -> tuple[list[int], bool]:
+    """[extra] [bos] <prefix> PREFIX PROMPT <suffix> SUFFIX <middle>, as llama-server writes
+    it, cut to leave `reserve` tokens of the context for the answer: the code nearest the
+    cursor is kept first (the prompt whole, then the prefix's end and the suffix's start,
+    3:1 while both are longer than their share), other files' chunks with what is left,
+    their latest part. Returns the ids and whether anything was cut."""
+    tok = state.tokenizer
+    pre, suf, mid = tok.fim_ids
+    bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+    room = state.ctx - reserve - len(bos) - 3 - len(p.prompt)
+    if room < 0:
+        raise bad_request(
+            f"prompt is {len(p.prompt)} tokens; with the markers it leaves no room in the "
+            f"{state.ctx}-token context",
+            "prompt",
+        )
+    suffix_take = min(len(p.suffix), max(room // 4, room - len(p.prefix)))
+    prefix_take = min(len(p.prefix), room - suffix_take)
+    extra_take = min(len(p.extra), room - suffix_take - prefix_take)
+    ids = [
+        *p.extra[len(p.extra) - extra_take :],
+        *bos,
+        pre,
+        *p.prefix[len(p.prefix) - prefix_take :],
+        *p.prompt,
+        suf,
+        *p.suffix[:suffix_take],
+        mid,
+    ]
+    cut = (extra_take, prefix_take, suffix_take) != (len(p.extra), len(p.prefix), len(p.suffix))
+    return ids, cut
+
+
+async def pieces(state: ServerState, body: Body, tenant: str) -> Pieces:
+    """The request's texts, each tokenized off the event loop as a completions prompt is."""
+
+    async def ids(text: str, field: str) -> list[int]:
+        return await encode_prompt(state, text, field, tenant=tenant, add_bos=False) if text else []
+
+    tok = state.tokenizer
+    extra = []
+    chunks = body.list("input_extra", [])
+    if len(chunks) > MAX_EXTRA_CHUNKS:
+        raise bad_request(
+            f"input_extra: {len(chunks)} chunks; at most {MAX_EXTRA_CHUNKS}", "input_extra"
+        )
+    file_sep, repo = _repository_tokens(tok)
+    if repo is not None:  # llama-server names the repository, and each file
+        extra += [repo, *await ids("myproject\n", "input_extra")]
+    for i, chunk in enumerate(chunks):
+        where = f"input_extra[{i}]"
+        if not isinstance(chunk, dict):
+            raise bad_request(f"{where} must be an object with filename and text", where)
+        filename, text = (_chunk_text(chunk, where, k, d) for k, d in _CHUNK_FIELDS)
+        if file_sep is not None:
+            extra += [file_sep, *await ids(filename + "\n", f"{where}.filename")]
+        else:  # llama-server's separator where the model has none
+            extra += await ids("\n\n--- snippet ---\n\n", where)
+        extra += await ids(text, f"{where}.text")
+    if file_sep is not None:  # and the file being edited, whose name it does not know
+        extra += [file_sep, *await ids("filename\n", "input_extra")]
+    return Pieces(
+        extra,
+        await ids(body.str("input_prefix", ""), "input_prefix"),
+        await ids(body.str("prompt", ""), "prompt"),
+        await ids(body.str("input_suffix", ""), "input_suffix"),
+    )
+
+
+_CHUNK_FIELDS = (("filename", "tmp"), ("text", ""))
+
+
+def _chunk_text(chunk: dict, where: str, name: str, default: str) -> str:
+    value = chunk.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise bad_request(f"{where}.{name} must be a string", f"{where}.{name}")
+    return value
+
+
+def _repository_tokens(tok) -> tuple[int | None, int | None]:
+    """The file-separator and repository-name tokens, where the vocabulary has them."""
+    found = [
+        next((tok.token_id(t) for t in texts if tok.token_id(t) is not None), None)
+        for texts in (_FILE_SEPARATORS, _REPOSITORY_NAMES)
+    ]
+    return found[0], found[1]
+
+
+_FILE_SEPARATORS = ("<|file_sep|>", "<file_sep>")
+_REPOSITORY_NAMES = ("<|repo_name|>", "<|fim_repo|>", "<fim-repo>", "<REPO>", "<reponame>")
+
+
+def as_completion_fields(body: Body) -> Body:
+    """The generation fields under the names /v1/completions reads them by, each checked
+    under its own name first: n_predict (-1 or absent: to the end of the context; 0: the
+    prompt is read into the cache and nothing is answered, as llama.vscode warms it), and
+    repeat_penalty."""
+    n_predict = body.int("n_predict", lo=-1)
+    penalty = body.number("repeat_penalty", lo=0, lo_open=True)
+    data = {k: body.data[k] for k in SAME_FIELDS if k in body.data}
+    if n_predict is not None and n_predict >= 0:
+        data["max_tokens"] = max(n_predict, 1)
+    if penalty is not None:
+        data["repetition_penalty"] = penalty
+    return Body(data)
+
+
+async def parse(state: ServerState, body: Body, tenant: str) -> Call:
+    check_model(body, state)
+    if state.tokenizer.fim_ids is None:
+        raise bad_request(
+            f"/infill is not supported by {state.model_id}: its vocabulary has no "
+            "fill-in-the-middle tokens",
+            None,
+        )
+    fields = as_completion_fields(body)
+    warm_only = body.int("n_predict") == 0
+    reserve = min(fields.int("max_tokens") or state.ctx // 4, state.ctx // 2)
+    ids, cut = fit(state, await pieces(state, body, tenant), reserve)
+    request = build_request(fields, state, ids, tenant)
+    encoder = InfillEncoder(
+        state.model_id, system_fingerprint(state, request), len(ids), cut, warm_only
+    )
+    return Call(request, None, encoder)
+
+
+class InfillEncoder:
+    """The middle in llama-server's /completion shape: `content`, `stop`, `stop_type` and
+    its counts and timings; streamed as data-only events of `content` pieces, the last one
+    with `stop: true` and the rest (no [DONE], as llama-server)."""
+
+    ping_every = None
+    waits_for_admission = False
+
+    def __init__(self, model: str, fingerprint: str, prompt_n: int, cut: bool, warm_only: bool):
+        self.base = {"index": 0, "model": model, "system_fingerprint": fingerprint}
+        self.prompt_n, self.cut, self.warm_only = prompt_n, cut, warm_only
+        self.text = OneFieldFrame(lambda text: frame({**self.base, "content": text, "stop": False}))
+        self.written = []
+
+    def start(self, cached: int | None) -> list[Frame]:
+        return []
+
+    def feed(self, item) -> list[Frame]:
+        if isinstance(item, Logprobs) or self.warm_only:
+            return []
+        self.written.append(item.text)
+        return [self.text(item.text)]
+
+    def finish(self, done) -> list[Frame]:
+        return [frame({**self.base, **self._end(done, "".join(self.written)), "content": ""})]
+
+    def fail(self, message: str, status: int) -> list[Frame]:
+        return [error_frame("infill", message)]
+
+    def whole(self, answer: Answer) -> dict:
+        text = "" if self.warm_only else answer.text()
+        return {**self.base, "content": text, **self._end(answer.done, text)}
+
+    def _end(self, done, text: str) -> dict:
+        predicted = 0 if self.warm_only else done.usage.completion_tokens
+        if done.reason == "length":
+            stop_type = "limit"
+        else:
+            stop_type = "word" if done.stop_sequence else "eos"
+        return {
+            "stop": True,
+            "stop_type": stop_type,
+            "stopping_word": done.stop_sequence or "",
+            "tokens_predicted": predicted,
+            "tokens_evaluated": self.prompt_n,
+            "tokens_cached": done.timings.cache_n,
+            "truncated": self.cut,
+            "has_new_line": "\n" in text,
+            "timings": attrs.asdict(done.timings),
+        }
