@@ -82,6 +82,17 @@ async def pieces(state: ServerState, body: Body, tenant: str) -> Pieces:
         raise bad_request(
             f"input_extra: {len(chunks)} chunks; at most {MAX_EXTRA_CHUNKS}", "input_extra"
         )
+    # All the texts together, bounded as one prompt is: only a context's worth can be read,
+    # and the tokenizer's two threads are everyone's.
+    most = state.ctx * tok.max_token_chars
+    texts = [c.get("text") for c in chunks if isinstance(c, dict)]
+    sizes = sum(len(t) for t in texts if isinstance(t, str))  # the others: a 400 below
+    if sizes > most:
+        raise bad_request(
+            f"input_extra: {sizes} characters in all its texts, more than a "
+            f"{state.ctx}-token context can hold",
+            "input_extra",
+        )
     file_sep, repo = _repository_tokens(tok)
     if repo is not None:  # llama-server names the repository, and each file
         extra += [repo, *await ids("myproject\n", "input_extra")]
