@@ -70,37 +70,24 @@ def fit(state: ServerState, p: Pieces, reserve: int) -> tuple[list[int], bool]:
 
 
 async def pieces(state: ServerState, body: Body, tenant: str) -> Pieces:
-    """The request's texts, each tokenized off the event loop as a completions prompt is."""
+    """The request's texts, every one checked before any is tokenized, then each tokenized
+    off the event loop as a completions prompt is."""
+    prefix, prompt, suffix = (body.str(k, "") for k in ("input_prefix", "prompt", "input_suffix"))
+    chunks = extra_chunks(body, state.ctx * state.tokenizer.max_token_chars)
 
     async def ids(text: str, field: str) -> list[int]:
         return await encode_prompt(state, text, field, tenant=tenant, add_bos=False) if text else []
 
     tok = state.tokenizer
+    file_sep = _first_token(tok, ("<|file_sep|>", "<file_sep>"))
+    repo = _first_token(
+        tok, ("<|repo_name|>", "<|fim_repo|>", "<fim-repo>", "<REPO>", "<reponame>")
+    )
     extra = []
-    chunks = body.list("input_extra", [])
-    if len(chunks) > MAX_EXTRA_CHUNKS:
-        raise bad_request(
-            f"input_extra: {len(chunks)} chunks; at most {MAX_EXTRA_CHUNKS}", "input_extra"
-        )
-    # All the texts together, bounded as one prompt is: only a context's worth can be read,
-    # and the tokenizer's two threads are everyone's.
-    most = state.ctx * tok.max_token_chars
-    texts = [c.get("text") for c in chunks if isinstance(c, dict)]
-    sizes = sum(len(t) for t in texts if isinstance(t, str))  # the others: a 400 below
-    if sizes > most:
-        raise bad_request(
-            f"input_extra: {sizes} characters in all its texts, more than a "
-            f"{state.ctx}-token context can hold",
-            "input_extra",
-        )
-    file_sep, repo = _repository_tokens(tok)
-    if repo is not None:  # llama-server names the repository, and each file
+    if repo is not None:  # llama-server names the repository, then each file
         extra += [repo, *await ids("myproject\n", "input_extra")]
-    for i, chunk in enumerate(chunks):
+    for i, (filename, text) in enumerate(chunks):
         where = f"input_extra[{i}]"
-        if not isinstance(chunk, dict):
-            raise bad_request(f"{where} must be an object with filename and text", where)
-        filename, text = (_chunk_text(chunk, where, k, d) for k, d in _CHUNK_FIELDS)
         if file_sep is not None:
             extra += [file_sep, *await ids(filename + "\n", f"{where}.filename")]
         else:  # llama-server's separator where the model has none
@@ -110,10 +97,34 @@ async def pieces(state: ServerState, body: Body, tenant: str) -> Pieces:
         extra += [file_sep, *await ids("filename\n", "input_extra")]
     return Pieces(
         extra,
-        await ids(body.str("input_prefix", ""), "input_prefix"),
-        await ids(body.str("prompt", ""), "prompt"),
-        await ids(body.str("input_suffix", ""), "input_suffix"),
+        await ids(prefix, "input_prefix"),
+        await ids(prompt, "prompt"),
+        await ids(suffix, "input_suffix"),
     )
+
+
+def extra_chunks(body: Body, most_chars: int) -> list[tuple[str, str]]:
+    """`input_extra`'s (filename, text) pairs: at most MAX_EXTRA_CHUNKS, and all the texts
+    together at most `most_chars`, what one prompt may hold (only a context's worth can be
+    read, and the tokenizer's threads are everyone's)."""
+    chunks = body.list("input_extra", [])
+    if len(chunks) > MAX_EXTRA_CHUNKS:
+        raise bad_request(
+            f"input_extra: {len(chunks)} chunks; at most {MAX_EXTRA_CHUNKS}", "input_extra"
+        )
+    pairs = []
+    for i, chunk in enumerate(chunks):
+        where = f"input_extra[{i}]"
+        if not isinstance(chunk, dict):
+            raise bad_request(f"{where} must be an object with filename and text", where)
+        pairs.append(tuple(_chunk_text(chunk, where, k, d) for k, d in _CHUNK_FIELDS))
+    chars = sum(len(text) for _, text in pairs)
+    if chars > most_chars:
+        raise bad_request(
+            f"input_extra: {chars} characters in all its texts, more than a context can hold",
+            "input_extra",
+        )
+    return pairs
 
 
 _CHUNK_FIELDS = (("filename", "tmp"), ("text", ""))
@@ -128,17 +139,9 @@ def _chunk_text(chunk: dict, where: str, name: str, default: str) -> str:
     return value
 
 
-def _repository_tokens(tok) -> tuple[int | None, int | None]:
-    """The file-separator and repository-name tokens, where the vocabulary has them."""
-    found = [
-        next((tok.token_id(t) for t in texts if tok.token_id(t) is not None), None)
-        for texts in (_FILE_SEPARATORS, _REPOSITORY_NAMES)
-    ]
-    return found[0], found[1]
-
-
-_FILE_SEPARATORS = ("<|file_sep|>", "<file_sep>")
-_REPOSITORY_NAMES = ("<|repo_name|>", "<|fim_repo|>", "<fim-repo>", "<REPO>", "<reponame>")
+def _first_token(tok, texts: tuple[str, ...]) -> int | None:
+    """The first of these token texts the vocabulary has, as an id."""
+    return next((tok.token_id(t) for t in texts if tok.token_id(t) is not None), None)
 
 
 def as_completion_fields(body: Body) -> Body:
