@@ -250,6 +250,24 @@ def test_infill_reads_what_llama_server_writes(coder_server, coder, fields):
     assert r["timings"]["prompt_n"] + r["timings"]["cache_n"] == len(ids)
 
 
+def test_response_fields_pick_paths_as_llama_vim_asks(coder_server):
+    fields = ["content", "timings/prompt_n", "timings/predicted_per_token_ms", "truncated",
+              "tokens_cached", "timings/nothing", "nothing/at/all"]  # fmt: skip
+    whole = infill(coder_server, input_prefix=PREFIX, input_suffix=SUFFIX, ignore_eos=True)
+    r = infill(coder_server, input_prefix=PREFIX, input_suffix=SUFFIX, ignore_eos=True,
+               response_fields=fields)  # fmt: skip
+    assert set(r) == {"content", "timings/prompt_n", "timings/predicted_per_token_ms",
+                      "truncated", "tokens_cached"}  # fmt: skip
+    assert r["content"] == whole["content"] and r["truncated"] is False
+    assert r["timings/prompt_n"] + r["tokens_cached"] == whole["tokens_evaluated"]
+    timings = whole["timings"]
+    assert timings["predicted_per_token_ms"] == round(
+        timings["predicted_ms"] / timings["predicted_n"], 3
+    )
+    r = infill(coder_server, 400, input_prefix="x", response_fields=["a"] * 65)
+    assert r["error"]["param"] == "response_fields"
+
+
 def test_a_stop_word_is_reported_as_llama_server_does(coder_server):
     body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 16, "ignore_eos": True}
     whole = infill(coder_server, **body)

@@ -169,13 +169,50 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
         )
     fields = as_completion_fields(body)
     warm_only = body.int("n_predict") == 0
+    wanted = response_fields(body)
     reserve = min(fields.int("max_tokens") or state.ctx // 4, state.ctx // 2)
     ids, cut = fit(state, await pieces(state, body, tenant), reserve)
     request = build_request(fields, state, ids, tenant)
     encoder = InfillEncoder(
-        state.model_id, system_fingerprint(state, request), len(ids), cut, warm_only
+        state.model_id, system_fingerprint(state, request), len(ids), cut, warm_only, wanted
     )
     return Call(request, None, encoder)
+
+
+MAX_RESPONSE_FIELDS = 64
+
+
+def response_fields(body: Body) -> tuple[str, ...] | None:
+    """llama-server's `response_fields`: the answer holds only these, each a path into the
+    whole answer ("timings/prompt_n"), under that path as its key (llama.vscode and llama.vim
+    read them so); None: all of it."""
+    paths = body.list("response_fields")
+    if paths is None:
+        return None
+    if len(paths) > MAX_RESPONSE_FIELDS or not all(
+        isinstance(p, str) and len(p) <= 256 for p in paths
+    ):
+        raise bad_request(
+            f"response_fields must be at most {MAX_RESPONSE_FIELDS} strings of at most 256 "
+            "characters",
+            "response_fields",
+        )
+    return tuple(paths)
+
+
+def picked(answer: dict, paths: tuple[str, ...]) -> dict:
+    """The values at `paths` in the answer, keyed by path; a path that leads nowhere is left
+    out (as llama-server does)."""
+    out = {}
+    for path in paths:
+        value = answer
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[path] = value
+    return out
 
 
 class InfillEncoder:
@@ -186,9 +223,19 @@ class InfillEncoder:
     ping_every = None
     waits_for_admission = False
 
-    def __init__(self, model: str, fingerprint: str, prompt_n: int, cut: bool, warm_only: bool):
+    def __init__(
+        self,
+        model: str,
+        fingerprint: str,
+        prompt_n: int,
+        cut: bool,
+        warm_only: bool,
+        wanted: tuple[str, ...] | None = None,
+    ):
+        """prompt_n: the prompt's tokens; cut: whether text was cut to fit; warm_only: answer
+        nothing (n_predict 0); wanted: response_fields, for the whole answer."""
         self.base = {"index": 0, "model": model, "system_fingerprint": fingerprint}
-        self.prompt_n, self.cut, self.warm_only = prompt_n, cut, warm_only
+        self.prompt_n, self.cut, self.warm_only, self.wanted = prompt_n, cut, warm_only, wanted
         self.text = OneFieldFrame(lambda text: frame({**self.base, "content": text, "stop": False}))
         self.written = []
 
@@ -209,7 +256,8 @@ class InfillEncoder:
 
     def whole(self, answer: Answer) -> dict:
         text = "" if self.warm_only else answer.text()
-        return {**self.base, "content": text, **self._end(answer.done, text)}
+        whole = {**self.base, "content": text, **self._end(answer.done, text)}
+        return whole if self.wanted is None else picked(whole, self.wanted)
 
     def _end(self, done, text: str) -> dict:
         predicted = 0 if self.warm_only else done.usage.completion_tokens
@@ -226,5 +274,14 @@ class InfillEncoder:
             "tokens_cached": done.timings.cache_n,
             "truncated": self.cut,
             "has_new_line": "\n" in text,
-            "timings": attrs.asdict(done.timings),
+            "timings": _timings(done.timings),
         }
+
+
+def _timings(timings) -> dict:
+    """llama-server's timings block, with its per-token milliseconds (editors show them)."""
+    out = attrs.asdict(timings)
+    for part in ("prompt", "predicted"):
+        n = out[f"{part}_n"]
+        out[f"{part}_per_token_ms"] = round(out[f"{part}_ms"] / n, 3) if n else None
+    return out
