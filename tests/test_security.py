@@ -75,6 +75,24 @@ def test_keys_are_required_on_v1_metrics_and_openapi(keyed):
     assert all("k-alice" not in line and "k-bob" not in line for line in keyed.lines)
 
 
+def test_every_route_but_the_probes_needs_a_key(keyed):
+    """Read off the server's own routing table, so a route added later (as /tokenize and
+    /infill were, outside /v1, and open by omission until this test) cannot be missed."""
+    table = httpx.get(keyed.url + "/v1/capabilities").json()["routes"]
+    routes = {(r["method"], r["path"].replace("{model}", "any")) for r in table}
+    open_routes = {"/", "/health", "/health/live", "/v1/capabilities"}
+    open_routes.add("/v1/chat/completions/ws")  # a plain GET is a 426; its handshake's key:
+    # test_chat_ws
+    checked = 0
+    for method, path in sorted(routes):
+        if path in open_routes or method == "HEAD":  # HEAD anywhere: the ready check
+            continue
+        r = httpx.request(method, keyed.url + path, json={} if method == "POST" else None)
+        assert r.status_code == 401, (method, path, r.status_code)
+        checked += 1
+    assert checked >= 15 and ("POST", "/infill") in routes and ("POST", "/tokenize") in routes
+
+
 async def test_keys_naming_one_tenant_share_its_queue(keyed):
     url = keyed.url
     alice1, alice2, bob = (

@@ -3,8 +3,9 @@
 Rules (seed 000 `info.description`, seed 001's security schemes):
 - On a loopback address with no key configured, no key is checked and a key sent is ignored.
 - With keys (`--api-key-file`, `MASHBOX_API_KEY`), and always on a non-loopback address,
-  `/v1` routes, `/metrics` and `/openapi.json` need one: `Authorization: Bearer K`,
-  `x-api-key: K` or `x-privy-token: K`.
+  every route but the probes (`/`, `/health`, `/health/live`, HEAD anywhere) and
+  `/v1/capabilities` needs one: `Authorization: Bearer K`, `x-api-key: K` or
+  `x-privy-token: K`.
 - A Host header naming the server by a name it does not answer to is refused (403), and so is
   a request whose Origin is another origin than the one it addresses (a web page elsewhere).
   `/health` and `/` stay open to local probes.
@@ -155,9 +156,9 @@ class Guard:
                 "start it with --api-key-file FILE or MASHBOX_API_KEY (or use ssh -L)",
                 type="forbidden",
             )
-        needs_key = path.startswith("/v1/") or path in ("/metrics", "/openapi.json")
-        needs_key = needs_key and path not in KEYLESS_PATHS
-        if not (needs_key and self.keys_required):
+        # Every route but the probes and the route list: a route added outside /v1 (vLLM's
+        # /tokenize, llama-server's /infill) must not be left open by omission, as they were.
+        if path in KEYLESS_PATHS or not self.keys_required:
             return ""
         tenant = self.tenant(headers)
         if tenant is None:
