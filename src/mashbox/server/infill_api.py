@@ -18,8 +18,9 @@ from .validate import Body
 
 # Chunks of other files an editor may send as context: llama.vscode sends up to 16 a request.
 MAX_EXTRA_CHUNKS = 128
-# The fields read as they are; llama-server's others (cache_prompt, samplers, n_indent,
-# t_max_*_ms, response_fields, id_slot) are accepted and ignored.
+# The fields read as they are; besides these, n_predict, repeat_penalty and response_fields
+# are read, and llama-server's others (cache_prompt, samplers, n_indent, t_max_*_ms,
+# id_slot) are accepted and ignored.
 SAME_FIELDS = (
     "model", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "presence_penalty",
     "frequency_penalty", "stream", "ignore_eos",
