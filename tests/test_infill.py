@@ -334,6 +334,28 @@ def test_a_long_request_is_cut_to_fit_nearest_the_cursor_first(coder_server, cod
     assert r["error"]["param"] == "prompt"
 
 
+def test_a_long_file_is_cut_as_llama_server_cuts_it(coder, tmp_path):
+    """Where the context holds more, llama-server still keeps 1536 tokens of the prefix's end
+    and 510 less the prompt of the suffix's start (3/4 and 1/4 of its default batch, 2048),
+    and so does mashbox: the same prompt, so the same answer an editor tuned on it expects."""
+    tok = Tokenizer.from_gguf(coder)
+    before = "".join(f"x{i} = {i}\n" for i in range(800))
+    after = "".join(f"print(y{i})\n" for i in range(400))
+    prefix, suffix, prompt = tok.encode(before), tok.encode(after), tok.encode("y")
+    assert len(prefix) > 1536 and len(suffix) > 510
+    t = tok.token_id
+    ids = [t("<|repo_name|>"), *tok.encode("myproject\n"), t("<|file_sep|>")]
+    ids += [*tok.encode("filename\n"), tok.bos_id, t("<|fim_prefix|>"), *prefix[-1536:]]
+    ids += [*prompt, t("<|fim_suffix|>"), *suffix[: 510 - len(prompt)], t("<|fim_middle|>")]
+    with serving(str(coder), "--ctx", "4096", "--slots", "1", "--threads", "1",
+                 log=tmp_path / "wide.log") as wide:  # fmt: skip
+        seeded = {"temperature": 1, "seed": 4}
+        r = infill(wide, input_prefix=before, input_suffix=after, prompt="y", **seeded)
+        assert r["tokens_evaluated"] == len(ids) and r["truncated"] is True
+        want = complete(wide, prompt=ids, max_tokens=8, **seeded)
+        assert r["content"] == want["choices"][0]["text"] != ""
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [

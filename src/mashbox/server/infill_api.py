@@ -37,12 +37,18 @@ class Pieces:
     suffix: list[int]  # input_suffix
 
 
+# llama-server's default batch (-b): it keeps at most 3/4 of it of the prefix's end and 1/4 of
+# it, less the prompt and two, of the suffix's start, whatever the context.
+LLAMA_SERVER_BATCH = 2048
+
+
 def fit(state: ServerState, p: Pieces, reserve: int) -> tuple[list[int], bool]:
     """[extra] [bos] <prefix> PREFIX PROMPT <suffix> SUFFIX <middle>, as llama-server writes
-    it, cut to leave `reserve` tokens of the context for the answer: the code nearest the
-    cursor is kept first (the prompt whole, then the prefix's end and the suffix's start,
-    3:1 while both are longer than their share), other files' chunks with what is left,
-    their latest part. Returns the ids and whether anything was cut."""
+    it: the prefix and suffix first cut as llama-server cuts them (LLAMA_SERVER_BATCH), then
+    all of it to leave `reserve` tokens of the context for the answer, the code nearest the
+    cursor kept first (the prompt whole, then the prefix's end and the suffix's start, 3:1
+    while both are longer than their share), other files' chunks with what is left, their
+    latest part. Returns the ids and whether anything was cut."""
     tok = state.tokenizer
     pre, suf, mid = tok.fim_ids
     bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
@@ -53,21 +59,24 @@ def fit(state: ServerState, p: Pieces, reserve: int) -> tuple[list[int], bool]:
             f"{state.ctx}-token context",
             "prompt",
         )
-    suffix_take = min(len(p.suffix), max(room // 4, room - len(p.prefix)))
-    prefix_take = min(len(p.prefix), room - suffix_take)
+    quarter = LLAMA_SERVER_BATCH // 4
+    prefix = p.prefix[max(len(p.prefix) - 3 * quarter, 0) :]
+    suffix = p.suffix[: max(quarter - 2 - len(p.prompt), 0)]
+    suffix_take = min(len(suffix), max(room // 4, room - len(prefix)))
+    prefix_take = min(len(prefix), room - suffix_take)
     extra_take = min(len(p.extra), room - suffix_take - prefix_take)
     ids = [
         *p.extra[len(p.extra) - extra_take :],
         *bos,
         pre,
-        *p.prefix[len(p.prefix) - prefix_take :],
+        *prefix[len(prefix) - prefix_take :],
         *p.prompt,
         suf,
-        *p.suffix[:suffix_take],
+        *suffix[:suffix_take],
         mid,
     ]
-    cut = (extra_take, prefix_take, suffix_take) != (len(p.extra), len(p.prefix), len(p.suffix))
-    return ids, cut
+    kept = (extra_take, prefix_take, suffix_take)
+    return ids, kept != (len(p.extra), len(p.prefix), len(p.suffix))
 
 
 async def pieces(state: ServerState, body: Body, tenant: str) -> Pieces:
