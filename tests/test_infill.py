@@ -290,6 +290,7 @@ def test_the_stream_is_llama_servers_events(coder_server):
     last = events[-1]
     assert last["tokens_predicted"] == whole["tokens_predicted"] == 12
     assert last["stop_type"] == "limit" and last["tokens_evaluated"] == whole["tokens_evaluated"]
+    assert last["has_new_line"] == whole["has_new_line"] == ("\n" in whole["content"])
 
 
 def test_n_predict_0_warms_the_cache_and_answers_nothing(coder_server):

@@ -247,7 +247,7 @@ class InfillEncoder:
         self.base = {"index": 0, "model": model, "system_fingerprint": fingerprint}
         self.prompt_n, self.cut, self.warm_only, self.wanted = prompt_n, cut, warm_only, wanted
         self.text = OneFieldFrame(lambda text: frame({**self.base, "content": text, "stop": False}))
-        self.written = []
+        self.new_line = False  # in the text streamed so far
 
     def start(self, cached: int | None) -> list[Frame]:
         return []
@@ -255,21 +255,21 @@ class InfillEncoder:
     def feed(self, item) -> list[Frame]:
         if isinstance(item, Logprobs) or self.warm_only:
             return []
-        self.written.append(item.text)
+        self.new_line = self.new_line or "\n" in item.text
         return [self.text(item.text)]
 
     def finish(self, done) -> list[Frame]:
-        return [frame({**self.base, **self._end(done, "".join(self.written)), "content": ""})]
+        return [frame({**self.base, **self._end(done, self.new_line), "content": ""})]
 
     def fail(self, message: str, status: int) -> list[Frame]:
         return [error_frame("infill", message)]
 
     def whole(self, answer: Answer) -> dict:
         text = "" if self.warm_only else answer.text()
-        whole = {**self.base, "content": text, **self._end(answer.done, text)}
+        whole = {**self.base, "content": text, **self._end(answer.done, "\n" in text)}
         return whole if self.wanted is None else picked(whole, self.wanted)
 
-    def _end(self, done, text: str) -> dict:
+    def _end(self, done, new_line: bool) -> dict:
         predicted = 0 if self.warm_only else done.usage.completion_tokens
         if done.reason == "length":
             stop_type = "limit"
@@ -283,7 +283,7 @@ class InfillEncoder:
             "tokens_evaluated": self.prompt_n,
             "tokens_cached": done.timings.cache_n,
             "truncated": self.cut,
-            "has_new_line": "\n" in text,
+            "has_new_line": new_line,
             "timings": _timings(done.timings),
         }
 
