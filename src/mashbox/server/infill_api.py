@@ -13,6 +13,7 @@ from .driver import Call, Frame, OneFieldFrame, frame
 from .errors import bad_request
 from .generation import build_request, check_model, encode_prompt, system_fingerprint
 from .openai_chat import error_frame
+from .openai_completions import Infill
 from .state import ServerState
 from .validate import Body
 
@@ -50,9 +51,7 @@ def fit(state: ServerState, p: Pieces, reserve: int) -> tuple[list[int], bool]:
     while both are longer than their share), other files' chunks with what is left, their
     latest part. Returns the ids and whether anything was cut."""
     tok = state.tokenizer
-    pre, suf, mid = tok.fim_ids
-    bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
-    room = state.ctx - reserve - len(bos) - 3 - len(p.prompt)
+    room = state.ctx - reserve - Infill.of(tok, []).extra(text=True) - len(p.prompt)
     if room < 0:
         raise bad_request(
             f"prompt is {len(p.prompt)} tokens; with the markers it leaves no room in the "
@@ -65,15 +64,10 @@ def fit(state: ServerState, p: Pieces, reserve: int) -> tuple[list[int], bool]:
     suffix_take = min(len(suffix), max(room // 4, room - len(prefix)))
     prefix_take = min(len(prefix), room - suffix_take)
     extra_take = min(len(p.extra), room - suffix_take - prefix_take)
+    cursor = [*prefix[len(prefix) - prefix_take :], *p.prompt]
     ids = [
         *p.extra[len(p.extra) - extra_take :],
-        *bos,
-        pre,
-        *prefix[len(prefix) - prefix_take :],
-        *p.prompt,
-        suf,
-        *suffix[:suffix_take],
-        mid,
+        *Infill.of(tok, suffix[:suffix_take]).around(cursor, text=True),
     ]
     kept = (extra_take, prefix_take, suffix_take)
     return ids, kept != (len(p.extra), len(p.prefix), len(p.suffix))
@@ -89,10 +83,7 @@ async def pieces(state: ServerState, body: Body, tenant: str) -> Pieces:
         return await encode_prompt(state, text, field, tenant=tenant, add_bos=False) if text else []
 
     tok = state.tokenizer
-    file_sep = _first_token(tok, ("<|file_sep|>", "<file_sep>"))
-    repo = _first_token(
-        tok, ("<|repo_name|>", "<|fim_repo|>", "<fim-repo>", "<REPO>", "<reponame>")
-    )
+    file_sep, repo = tok.fim_file_id, tok.fim_repo_id
     extra = []
     if repo is not None:  # llama-server names the repository, then each file
         extra += [repo, *await ids("myproject\n", "input_extra")]
@@ -147,11 +138,6 @@ def _chunk_text(chunk: dict, where: str, name: str, default: str) -> str:
     if not isinstance(value, str):
         raise bad_request(f"{where}.{name} must be a string", f"{where}.{name}")
     return value
-
-
-def _first_token(tok, texts: tuple[str, ...]) -> int | None:
-    """The first of these token texts the vocabulary has, as an id."""
-    return next((tok.token_id(t) for t in texts if tok.token_id(t) is not None), None)
 
 
 def as_completion_fields(body: Body) -> Body:

@@ -82,6 +82,12 @@ class Infill:
     prefix: int
     after: tuple[int, ...]  # the suffix marker, the suffix's tokens, the middle marker
 
+    @classmethod
+    def of(cls, tok, suffix: list[int]) -> Infill:
+        """The markers around a prompt before `suffix`'s tokens, with tok's bos."""
+        prefix, marker, middle = tok.fim_ids
+        return cls(tok.bos_first, prefix, (marker, *suffix, middle))
+
     def around(self, ids: list[int], *, text: bool) -> list[int]:
         return [*(self.bos if text else ()), self.prefix, *ids, *self.after]
 
@@ -106,10 +112,8 @@ async def infill(state: ServerState, body: Body, tenant: str) -> Infill | None:
         )
     if body.bool("echo", False):
         raise bad_request("suffix cannot be used with echo", "suffix")
-    prefix, marker, middle = tok.fim_ids
     ids = await encode_prompt(state, suffix, "suffix", tenant=tenant, add_bos=False)
-    bos = (tok.bos_id,) if tok.add_bos and tok.bos_id is not None else ()
-    return Infill(bos, prefix, (marker, *ids, middle))
+    return Infill.of(tok, ids)
 
 
 def token_prompt(state: ServerState, body: Body, ids: list, where: str, extra: int = 0):

@@ -49,9 +49,16 @@ class Tokenizer:
         self.bos_id: int | None = vocab.bos_id
         self.eos_id: int | None = vocab.eos_id
         self.eog_ids: frozenset[int] = vocab.eog_ids
-        # (prefix, suffix, middle) markers of fill-in-the-middle, where the model has them.
+        # (prefix, suffix, middle) markers of fill-in-the-middle, where the model has them,
+        # and the tokens before a repository's and a file's name.
         self.fim_ids: tuple[int, int, int] | None = vocab.fim_ids
+        self.fim_repo_id: int | None = vocab.fim_repo_id
+        self.fim_file_id: int | None = vocab.fim_file_id
         self.add_bos: bool = spec.add_bos
+        # What a prompt assembled from pieces starts with: the bos, where the model wants one.
+        self.bos_first: tuple[int, ...] = (
+            (self.bos_id,) if self.add_bos and self.bos_id is not None else ()
+        )
         self.chat_template: str | None = spec.chat_template
         # No token stands for more characters than this: a longer text than ctx times it
         # cannot fit a context, and is refused before any tokenizing.

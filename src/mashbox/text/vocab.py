@@ -60,7 +60,8 @@ _EOG_TEXTS = frozenset(
         "<｜end▁of▁sentence｜>",
     }
 )
-# Fill-in-the-middle pad, repo and file-separator tokens end generation too.
+# Fill-in-the-middle pad, repo and file-separator tokens end generation too (and the repo
+# and file ones name a repository and its files before the prefix: llama-server's /infill).
 _FIM_EOG_TEXTS = (
     ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
@@ -118,6 +119,8 @@ class Vocab:
     eog_ids: frozenset[int]
     # Fill-in-the-middle's (prefix, suffix, middle) marker ids; None where any is missing.
     fim_ids: tuple[int, int, int] | None
+    fim_repo_id: int | None  # before the repository's name
+    fim_file_id: int | None  # before each file's name
     # The first id of each (non-empty) token text: a vocabulary may repeat a text.
     ids: dict[str, int] = attrs.field(eq=False, repr=False)
     specials: SpecialTokens = attrs.field(eq=False, repr=False)
@@ -177,9 +180,8 @@ def finish_vocab(
         if text:
             by_text.setdefault(text, i)
     eog = {i for i, text in enumerate(tokens) if text in _EOG_TEXTS}
-    for names in _FIM_EOG_TEXTS:
-        found = [by_text[t] for t in names if t in by_text]
-        eog.update(found[:1])
+    fim_pad, fim_repo, fim_file = (_first_of(by_text, names) for names in _FIM_EOG_TEXTS)
+    eog.update(i for i in (fim_pad, fim_repo, fim_file) if i is not None)
     for i in (eos_id, *extra_eog):
         if i is not None and 0 <= i < n:
             eog.add(i)
@@ -207,6 +209,8 @@ def finish_vocab(
         eos_id=eos_id if eos_id is not None and 0 <= eos_id < n else None,
         eog_ids=frozenset(eog),
         fim_ids=None if None in fim else fim,
+        fim_repo_id=fim_repo,
+        fim_file_id=fim_file,
         ids=by_text,
         specials=_special_tokens(tokens, kinds),
     )
