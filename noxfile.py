@@ -36,6 +36,7 @@ TORCH_FREE_TESTS = [
     "tests/test_codecs.py",
     "tests/test_connections.py",
     "tests/test_encoding.py",
+    "tests/test_line_limits.py",
     "tests/test_parser.py",
     "tests/test_registry.py",
     "tests/test_stops.py",

@@ -7,13 +7,14 @@ llama-server on the same GGUF (a coder model with fill-in-the-middle markers).
 The file being edited is one of mashbox's own sources (src/mashbox/scheduler.py), the cursor
 in its middle; two other sources give `input_extra` chunks as llama.vscode sends them. The
 user types the file's own next characters one at a time: each keystroke is an /infill with
-the longer prefix (`n_predict` 16, greedy, llama.vscode's other fields), sent after the last
-one's answer. The first keystroke finds nothing cached; later ones reuse the prompt's start, so a
-keystroke's time is the new tokens' prefill and the 16 tokens' decode. The servers take
-turns (the order flipping each round, the idle one idle). Prints each server's median
-keystroke time (first keystroke apart) and the ratio (llama-server / mashbox: above 1,
-mashbox answers sooner), and whether the two wrote the same text (greedy; a near-tie may
-part them).
+the longer prefix (`n_predict` 16, greedy, llama.vscode's other fields: `n_indent` the cursor
+line's indentation; not its `t_max_predict_ms`, which would make the texts depend on each
+server's speed), sent after the last one's answer. The first keystroke finds nothing
+cached; later ones reuse the prompt's start, so a keystroke's time is the new tokens'
+prefill and at most 16 tokens' decode. The servers take turns (the order flipping each
+round, the idle one idle). Prints each server's median keystroke time (first keystroke
+apart) and the ratio (llama-server / mashbox: above 1, mashbox answers sooner), and whether
+the two wrote the same text (greedy; a near-tie may part them).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def editor_bodies(keys: int, chunk_lines: int = 64) -> list[dict]:
             extra.append({"filename": path.name, "text": chunk})
     bodies = []
     for k in range(keys):
+        line = text[text.rindex("\n", 0, cursor + k) + 1 :].split("\n", 1)[0]
         bodies.append(
             {
                 "input_prefix": text[: cursor + k],
@@ -59,6 +61,7 @@ def editor_bodies(keys: int, chunk_lines: int = 64) -> list[dict]:
                 # llama.vscode also sends samplers [top_k, top_p, infill] without the
                 # temperature, which makes llama-server sample; left out, both are greedy.
                 "cache_prompt": True,
+                "n_indent": len(line) - len(line.lstrip()),  # the cursor line's, as llama.vscode
                 "response_fields": ["content", "timings/prompt_n", "tokens_predicted"],
             }
         )

@@ -357,6 +357,70 @@ def test_a_long_file_is_cut_as_llama_server_cuts_it(coder, tmp_path):
         assert r["content"] == want["choices"][0]["text"] != ""
 
 
+def seeded_answer_with_a_later_line(server, **body) -> tuple[dict, int]:
+    """A seeded answer (the tiny model writes bytes at random) with text on a line after its
+    first, and that line's indentation."""
+    for seed in range(40):
+        r = infill(server, **body, temperature=1, seed=seed)
+        head, newline, rest = r["content"].partition("\n")
+        if newline and rest.lstrip(" \t"):
+            return r | {"seed": seed}, len(rest) - len(rest.lstrip(" \t"))
+    raise AssertionError("no seed gave a second line")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_indent_ends_the_answer_at_a_shallower_line(coder_server, stream):
+    """llama.vim and llama.vscode send the cursor line's indentation as n_indent: a later line
+    indented less ends the completion (cut where its text starts), as llama-server ends it."""
+    body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 64, "ignore_eos": True}
+    whole, column = seeded_answer_with_a_later_line(coder_server, **body)
+    text = whole["content"]
+    cut = text.index("\n") + 1 + column  # where the second line's text starts
+    limited = body | {"temperature": 1, "seed": whole["seed"], "n_indent": column + 1}
+    if not stream:
+        r = infill(coder_server, **limited)
+    else:
+        with httpx.stream("POST", coder_server.url + "/infill", json=limited | {"stream": True},
+                          timeout=60) as resp:  # fmt: skip
+            events = [json.loads(line[6:]) for line in resp.iter_lines() if line]
+        r = events[-1] | {"content": "".join(e["content"] for e in events)}
+    assert r["content"] == text[:cut] and len(r["content"]) < len(text)
+    assert r["stop_type"] == "limit" and r["tokens_predicted"] < whole["tokens_predicted"]
+    # As deep as the line is indented: it goes on (to its end, or a later shallower line).
+    deep = infill(coder_server, **limited | {"n_indent": column})
+    assert len(deep["content"]) > cut and text.startswith(deep["content"])
+
+
+def test_t_max_predict_ms_ends_the_answer_at_a_newline_once_late(coder_server, coder):
+    """Past t_max_predict_ms since the first token, the token that writes a newline is the
+    answer's last (llama.vscode sends 1,000 ms, so a slow model still answers in time)."""
+    body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 64, "ignore_eos": True}
+    ids = marked(Tokenizer.from_gguf(coder), PREFIX, SUFFIX)
+    for seed in range(40):  # an answer with a newline ten or more tokens in
+        choice = complete(coder_server, prompt=ids, max_tokens=64, logprobs=0, ignore_eos=True,
+                          temperature=1, seed=seed)["choices"][0]  # fmt: skip
+        tokens = choice["logprobs"]["tokens"]
+        lines = [i for i, t in enumerate(tokens) if "\n" in t]
+        if any(i >= 10 for i in lines):
+            break
+    else:
+        raise AssertionError("no seed gave a newline ten tokens in")
+    seeded = body | {"temperature": 1, "seed": seed}
+    whole = infill(coder_server, **seeded)
+    assert whole["content"] == choice["text"] and whole["tokens_predicted"] == 64
+    # In no time at all: the first newline after the first token's ends it (ten steps take
+    # more than a millisecond).
+    r = infill(coder_server, **seeded, t_max_predict_ms=1)
+    n = r["tokens_predicted"]
+    assert n - 1 in lines and n - 1 <= min(i for i in lines if i >= 10)
+    assert choice["text"].startswith(r["content"]) and r["stop_type"] == "limit"
+    assert "\n" in r["content"] and len(r["content"]) < len(choice["text"])
+    # A generous limit, and 0 or less (none): the whole answer.
+    for ms in (60_000, 0, -1):
+        r = infill(coder_server, **seeded, t_max_predict_ms=ms)
+        assert (r["content"], r["tokens_predicted"]) == (whole["content"], 64)
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [
@@ -375,6 +439,11 @@ def test_a_long_file_is_cut_as_llama_server_cuts_it(coder, tmp_path):
         ({"repeat_penalty": 0}, "repeat_penalty"),
         ({"temperature": 9}, "temperature"),
         ({"model": "other"}, "model"),
+        ({"n_indent": 1.5}, "n_indent"),
+        ({"n_indent": -1}, "n_indent"),
+        ({"n_indent": "4"}, "n_indent"),
+        ({"t_max_predict_ms": "500"}, "t_max_predict_ms"),
+        ({"t_max_predict_ms": True}, "t_max_predict_ms"),
     ],
 )
 def test_a_bad_field_is_a_4xx_naming_it(coder_server, body, field):

@@ -391,11 +391,16 @@ class Batch:
         if token in self.tokenizer.eog_ids and not seq.request.ignore_eos:
             return self._finish(seq, "stop")
         text, stopped = seq.stops.feed(seq.detok.feed(token))
+        limited = False
+        if seq.lines is not None and text:
+            text, limited = seq.lines.feed(text, now - seq.t_first)
         seq.unsent_tokens += 1
         if logprob is not None:
             seq.unsent_logprobs.append(TokenLogprob(token, *logprob))
         if text:
             self._emit(seq, text)
+        if limited:  # its text ends before any stop string's (llama-server's "limit")
+            return self._finish(seq, "length", flush=False)
         if stopped:
             return self._finish(seq, "stop", flush=False)
         n_prompt, n_out = len(seq.request.prompt_ids), len(seq.output_ids)
@@ -425,6 +430,8 @@ class Batch:
         if flush:
             text, _ = seq.stops.feed(seq.detok.flush())
             text += seq.stops.flush()
+            if seq.lines is not None and text:
+                text, _ = seq.lines.feed(text, 0.0)
             if text:
                 self._emit(seq, text)
         finished = Finished(reason, seq.usage(), seq.timings(), seq.stops.matched)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import attrs
 
 from .protocol import Branch, SamplingParams
+from .text.line_limits import LineLimits
 
 MAX_WAITING_PER_TENANT = 32  # seed 000: a tenant's requests waiting for a slot
 MAX_WAITING = 256  # seed 000: all requests waiting for a slot
@@ -156,6 +157,7 @@ class Request:
     # A typed decision: prefill the prompt, then read these branches after it in one
     # forward; nothing is generated.
     branches: tuple[Branch, ...] = ()
+    lines: LineLimits | None = None  # an editor's code completion (/infill): where it ends
 
     @property
     def reads_every_position(self) -> bool:

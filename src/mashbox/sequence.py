@@ -12,6 +12,7 @@ import attrs
 
 from .events import Finished, Request, Restarted, Timings, Usage
 from .protocol import Step
+from .text.line_limits import LineWatch
 from .text.stops import StopMatcher
 from .text.tokenizer import Detokenizer, Tokenizer
 
@@ -29,6 +30,7 @@ class Sequence:
     detok: Detokenizer
     stops: StopMatcher
     t_submit: float
+    lines: LineWatch | None = None  # the request's LineLimits, watching its text
     slot: Slot | None = None
     admitted: bool = False  # the worker has its sampling state
     prefilled: int = 0  # prompt tokens whose KV the slot holds
@@ -72,6 +74,7 @@ class Sequence:
             detok=Detokenizer(tokenizer),
             stops=StopMatcher(list(request.stop)),
             t_submit=time.perf_counter(),
+            lines=LineWatch(request.lines) if request.lines else None,
         )
 
     @property
@@ -102,6 +105,7 @@ class Sequence:
         self.outbox.clear()
         self.detok = Detokenizer(tokenizer)
         self.stops = StopMatcher(list(self.request.stop))
+        self.lines = LineWatch(self.request.lines) if self.request.lines else None
         self.t_first = self.t_last = None
         if self.emitted:  # the handler drops what it collected or its parser holds
             self.outbox.append(Restarted())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import attrs
 
+from ..text.line_limits import LineLimits
 from .chat import Answer, Logprobs
 from .driver import Call, Frame, OneFieldFrame, frame
 from .errors import bad_request
@@ -19,9 +20,10 @@ from .validate import Body
 
 # Chunks of other files an editor may send as context: llama.vscode sends up to 16 a request.
 MAX_EXTRA_CHUNKS = 128
-# The fields read as they are; besides these, n_predict, repeat_penalty and response_fields
-# are read, and llama-server's others (cache_prompt, samplers, n_indent, t_max_*_ms,
-# id_slot) are accepted and ignored.
+# The fields read as they are; besides these, n_predict, repeat_penalty, response_fields,
+# n_indent and t_max_predict_ms are read, and llama-server's others (cache_prompt, samplers,
+# t_max_prompt_ms, which llama-server does not implement either, id_slot) are accepted and
+# ignored.
 SAME_FIELDS = (
     "model", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "presence_penalty",
     "frequency_penalty", "stream", "ignore_eos",
@@ -168,11 +170,23 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     wanted = response_fields(body)
     reserve = min(fields.int("max_tokens") or state.ctx // 4, state.ctx // 2)
     ids, cut = fit(state, await pieces(state, body, tenant), reserve)
-    request = build_request(fields, state, ids, tenant)
+    request = attrs.evolve(build_request(fields, state, ids, tenant), lines=line_limits(body))
     encoder = InfillEncoder(
         state.model_id, system_fingerprint(state, request), len(ids), cut, warm_only, wanted
     )
     return Call(request, None, encoder)
+
+
+def line_limits(body: Body) -> LineLimits | None:
+    """llama-server's `n_indent` (the cursor line's indentation: a later line indented less
+    ends the answer; 0: none) and `t_max_predict_ms` (past it, the next newline ends the
+    answer; 0 or less: none)."""
+    indent = body.int("n_indent", 0, lo=0)
+    ms = body.number("t_max_predict_ms")
+    seconds = ms / 1000 if ms is not None and ms > 0 else None
+    if indent == 0 and seconds is None:
+        return None
+    return LineLimits(indent, seconds)
 
 
 MAX_RESPONSE_FIELDS = 64
