@@ -91,6 +91,8 @@ DELIBERATE = {
     ("route", "post", "/detokenize"): "vLLM's tokenizer routes, for evaluation harnesses",
     ("route", "get", "/tokenizer_info"): "vLLM's tokenizer routes, for evaluation harnesses",
     ("route", "post", "/infill"): "llama-server's fill in the middle, for editors",
+    ("route", "post", "/completion"): "llama-server's own completion route, for its clients",
+    ("route", "post", "/completions"): "llama-server's other name for /completion",
     ("required", "ModelList", "models"): "ollama-style clients read `models` beside `data`",
 }
 

@@ -14,6 +14,7 @@ from werkzeug.exceptions import HTTPException
 from . import (
     anthropic_api,
     chat_ws,
+    completion_api,
     connections,
     driver,
     embeddings_api,
@@ -143,7 +144,7 @@ def create_app(state: ServerState, *, ui: bool = False, drain: Drain | None = No
         async def view() -> Response:
             body = await _json_body()
             result = await driver.answer(state, route, parse, body, request.headers, g.tenant)
-            return _json(result) if isinstance(result, dict) else event_stream(result)
+            return _json(result) if isinstance(result, dict | list) else event_stream(result)
 
         return view
 
@@ -201,6 +202,8 @@ GENERATION_ROUTES: dict[str, driver.Parse] = {
     "/v1/chat/completions": openai_chat.parse,
     "/v1/completions": openai_completions.parse,
     "/infill": infill_api.parse,  # llama-server's, for editors
+    "/completion": completion_api.parse,  # llama-server's own, for its clients
+    "/completions": completion_api.parse,  # the same, under llama-server's other name
     "/v1/responses": responses_api.parse,
     "/v1/messages": anthropic_api.parse,
 }

@@ -102,7 +102,7 @@ class ChoicesEncoder(Encoder, Protocol):
     def finish_choice(self, done: Finished) -> list[Frame]: ...  # this choice's last event
     def finish_answer(self, done: Finished) -> list[Frame]: ...  # after every choice's last
     def whole_choice(self, answer: Answer) -> dict: ...  # this choice in the whole answer
-    def whole_answer(self, choices: list[dict], done: Finished) -> dict: ...
+    def whole_answer(self, choices: list[dict], done: Finished) -> dict | list: ...
 
 
 class Tally:
@@ -186,7 +186,7 @@ DROPPED = "the request was dropped before it finished"
 
 async def answer(
     state: ServerState, route: str, parse: Parse, data, headers, tenant: str = ""
-) -> dict | AsyncIterator[Frame]:
+) -> dict | list | AsyncIterator[Frame]:
     """Run one generation request: the whole answer's body, or its stream of events."""
     if not state.ready:
         raise not_ready()
@@ -256,7 +256,9 @@ async def _stream(events: RequestEvents, call: Call, logged) -> AsyncIterator[Fr
 # --- n choices under one answer ----------------------------------------------------------
 
 
-async def _answer_choices(state: ServerState, call: Call, logged) -> dict | AsyncIterator[Frame]:
+async def _answer_choices(
+    state: ServerState, call: Call, logged
+) -> dict | list | AsyncIterator[Frame]:
     """Run a request's n choices (each its own seed, `choice_request`) of each of its
     prompts as one answer."""
     requests = call.requests()

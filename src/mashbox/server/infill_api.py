@@ -2,32 +2,28 @@
 llama.vim and others that speak it). The code before the cursor (`input_prefix`, then
 `prompt`), the code after it (`input_suffix`) and other files' chunks (`input_extra`) go to
 the model between its fill-in-the-middle markers as llama-server writes them; the answer is
-the middle, in llama-server's /completion shape, whole or streamed."""
+the middle, in llama-server's /completion shape (llama_answer.py), whole or streamed."""
 
 from __future__ import annotations
 
 import attrs
 
-from ..text.line_limits import LineLimits
-from .chat import Answer, Logprobs
-from .driver import Call, Frame, OneFieldFrame, frame
+from .driver import Call
 from .errors import bad_request
 from .generation import build_request, check_model, encode_prompt, system_fingerprint
-from .openai_chat import error_frame
+from .llama_answer import (
+    LlamaEncoder,
+    Shape,
+    as_completion_fields,
+    line_limits,
+    response_fields,
+)
 from .openai_completions import Infill
 from .state import ServerState
 from .validate import Body
 
 # Chunks of other files an editor may send as context: llama.vscode sends up to 16 a request.
 MAX_EXTRA_CHUNKS = 128
-# The fields read as they are; besides these, n_predict, repeat_penalty, response_fields,
-# n_indent and t_max_predict_ms are read, and llama-server's others (cache_prompt, samplers,
-# t_max_prompt_ms, which llama-server does not implement either, id_slot) are accepted and
-# ignored.
-SAME_FIELDS = (
-    "model", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "presence_penalty",
-    "frequency_penalty", "stream", "ignore_eos",
-)  # fmt: skip
 
 
 @attrs.frozen
@@ -142,21 +138,6 @@ def _chunk_text(chunk: dict, where: str, name: str, default: str) -> str:
     return value
 
 
-def as_completion_fields(body: Body) -> Body:
-    """The generation fields under the names /v1/completions reads them by, each checked
-    under its own name first: n_predict (-1 or absent: to the end of the context; 0: the
-    prompt is read into the cache and nothing is answered, as llama.vscode warms it), and
-    repeat_penalty."""
-    n_predict = body.int("n_predict", lo=-1)
-    penalty = body.number("repeat_penalty", lo=0, lo_open=True)
-    data = {k: body.data[k] for k in SAME_FIELDS if k in body.data}
-    if n_predict is not None and n_predict >= 0:
-        data["max_tokens"] = max(n_predict, 1)
-    if penalty is not None:
-        data["repetition_penalty"] = penalty
-    return Body(data)
-
-
 async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     check_model(body, state)
     if state.tokenizer.fim_ids is None:
@@ -171,127 +152,6 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
     reserve = min(fields.int("max_tokens") or state.ctx // 4, state.ctx // 2)
     ids, cut = fit(state, await pieces(state, body, tenant), reserve)
     request = attrs.evolve(build_request(fields, state, ids, tenant), lines=line_limits(body))
-    encoder = InfillEncoder(
-        state.model_id, system_fingerprint(state, request), len(ids), cut, warm_only, wanted
-    )
-    return Call(request, None, encoder)
-
-
-def line_limits(body: Body) -> LineLimits | None:
-    """llama-server's `n_indent` (the cursor line's indentation: a later line indented less
-    ends the answer; 0: none) and `t_max_predict_ms` (past it, the next newline ends the
-    answer; 0 or less: none)."""
-    indent = body.int("n_indent", 0, lo=0)
-    ms = body.number("t_max_predict_ms")
-    seconds = ms / 1000 if ms is not None and ms > 0 else None
-    if indent == 0 and seconds is None:
-        return None
-    return LineLimits(indent, seconds)
-
-
-MAX_RESPONSE_FIELDS = 64
-
-
-def response_fields(body: Body) -> tuple[str, ...] | None:
-    """llama-server's `response_fields`: the answer holds only these, each a path into the
-    whole answer ("timings/prompt_n"), under that path as its key (llama.vscode and llama.vim
-    read them so); None: all of it."""
-    paths = body.list("response_fields")
-    if paths is None:
-        return None
-    if len(paths) > MAX_RESPONSE_FIELDS or not all(
-        isinstance(p, str) and len(p) <= 256 for p in paths
-    ):
-        raise bad_request(
-            f"response_fields must be at most {MAX_RESPONSE_FIELDS} strings of at most 256 "
-            "characters",
-            "response_fields",
-        )
-    return tuple(paths)
-
-
-def picked(answer: dict, paths: tuple[str, ...]) -> dict:
-    """The values at `paths` in the answer, keyed by path; a path that leads nowhere is left
-    out (as llama-server does)."""
-    out = {}
-    for path in paths:
-        value = answer
-        for key in path.split("/"):
-            if not isinstance(value, dict) or key not in value:
-                break
-            value = value[key]
-        else:
-            out[path] = value
-    return out
-
-
-class InfillEncoder:
-    """The middle in llama-server's /completion shape: `content`, `stop`, `stop_type` and
-    its counts and timings; streamed as data-only events of `content` pieces, the last one
-    with `stop: true` and the rest (no [DONE], as llama-server)."""
-
-    ping_every = None
-    waits_for_admission = False
-
-    def __init__(
-        self,
-        model: str,
-        fingerprint: str,
-        prompt_n: int,
-        cut: bool,
-        warm_only: bool,
-        wanted: tuple[str, ...] | None = None,
-    ):
-        """prompt_n: the prompt's tokens; cut: whether text was cut to fit; warm_only: answer
-        nothing (n_predict 0); wanted: response_fields, for the whole answer."""
-        self.base = {"index": 0, "model": model, "system_fingerprint": fingerprint}
-        self.prompt_n, self.cut, self.warm_only, self.wanted = prompt_n, cut, warm_only, wanted
-        self.text = OneFieldFrame(lambda text: frame({**self.base, "content": text, "stop": False}))
-        self.new_line = False  # in the text streamed so far
-
-    def start(self, cached: int | None) -> list[Frame]:
-        return []
-
-    def feed(self, item) -> list[Frame]:
-        if isinstance(item, Logprobs) or self.warm_only:
-            return []
-        self.new_line = self.new_line or "\n" in item.text
-        return [self.text(item.text)]
-
-    def finish(self, done) -> list[Frame]:
-        return [frame({**self.base, **self._end(done, self.new_line), "content": ""})]
-
-    def fail(self, message: str, status: int) -> list[Frame]:
-        return [error_frame("infill", message)]
-
-    def whole(self, answer: Answer) -> dict:
-        text = "" if self.warm_only else answer.text()
-        whole = {**self.base, "content": text, **self._end(answer.done, "\n" in text)}
-        return whole if self.wanted is None else picked(whole, self.wanted)
-
-    def _end(self, done, new_line: bool) -> dict:
-        predicted = 0 if self.warm_only else done.usage.completion_tokens
-        if done.reason == "length":
-            stop_type = "limit"
-        else:
-            stop_type = "word" if done.stop_sequence else "eos"
-        return {
-            "stop": True,
-            "stop_type": stop_type,
-            "stopping_word": done.stop_sequence or "",
-            "tokens_predicted": predicted,
-            "tokens_evaluated": self.prompt_n,
-            "tokens_cached": done.timings.cache_n,
-            "truncated": self.cut,
-            "has_new_line": new_line,
-            "timings": _timings(done.timings),
-        }
-
-
-def _timings(timings) -> dict:
-    """llama-server's timings block, with its per-token milliseconds (editors show them)."""
-    out = attrs.asdict(timings)
-    for part in ("prompt", "predicted"):
-        n = out[f"{part}_n"]
-        out[f"{part}_per_token_ms"] = round(out[f"{part}_ms"] / n, 3) if n else None
-    return out
+    fingerprint = system_fingerprint(state, request)
+    shape = Shape(state.model_id, fingerprint, (len(ids),), cut, warm_only, wanted)
+    return Call(request, None, LlamaEncoder(shape))

@@ -39,7 +39,7 @@ def completion_prompts(body: Body) -> list[str | list]:
     token ids (as OpenAI's and vLLM's completions take it). Each is answered on its own.
     Token lists are read whole only once their length is known to fit (`token_prompt`)."""
     prompt = body.raw("prompt")
-    if isinstance(prompt, list) and prompt and _is_token(prompt[0]):
+    if isinstance(prompt, list) and prompt and is_token(prompt[0]):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt:
         if len(prompt) > MAX_ANSWERS:
@@ -56,16 +56,16 @@ def completion_prompts(body: Body) -> list[str | list]:
         )
     for i, p in enumerate(prompts):
         if not p:
-            where = _where(i, len(prompts))
+            where = prompt_where(i, len(prompts))
             raise bad_request(f"{where} must not be empty", where)
     return prompts
 
 
-def _is_token(value) -> bool:
+def is_token(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _where(index: int, count: int) -> str:
+def prompt_where(index: int, count: int) -> str:
     """How an error names one prompt of a request's `count`."""
     return "prompt" if count == 1 else f"prompt[{index}]"
 
@@ -174,7 +174,7 @@ async def parse(state: ServerState, body: Body, tenant: str) -> Call:
             "prompt",
         )
     fim = await infill(state, body, tenant)
-    wheres = [_where(i, len(prompts)) for i in range(len(prompts))]
+    wheres = [prompt_where(i, len(prompts)) for i in range(len(prompts))]
     ids = [await prompt_ids(state, body, p, wheres[i], tenant, fim) for i, p in enumerate(prompts)]
     request = build_request(
         body, state, ids[0], tenant, logprobs=-1 if top is None else top, most_choices=MAX_CHOICES
