@@ -18,7 +18,8 @@ from .validate import Body
 # The fields read as they are; besides these, n_predict, repeat_penalty, logit_bias,
 # response_fields, n_indent and t_max_predict_ms are read, and llama-server's others that
 # change no answer (cache_prompt: mashbox always caches; samplers; id_slot; t_max_prompt_ms,
-# which llama-server does not implement either) are accepted and ignored.
+# which llama-server does not implement either) are accepted and ignored, as is
+# repeat_last_n: repeat_penalty is /v1/completions' repetition_penalty, over every token.
 SAME_FIELDS = (
     "model", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "presence_penalty",
     "frequency_penalty", "stream", "ignore_eos",
