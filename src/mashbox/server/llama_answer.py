@@ -5,6 +5,8 @@ whole or as data-only events."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 
 from ..text.line_limits import LineLimits
@@ -125,7 +127,7 @@ class Shape:
     cut: bool = False  # text was cut to fit the context (/infill)
     warm_only: bool = False  # n_predict 0: the prompt is read into the cache, nothing answered
     wanted: tuple[str, ...] | None = None  # response_fields, for the whole answer
-    token_bytes: object = None  # a token id's bytes, where n_probs asks for probabilities
+    token_bytes: Callable[[int], bytes] | None = None  # where n_probs asks for probabilities
     return_tokens: bool = False  # each piece's token ids too
 
 
