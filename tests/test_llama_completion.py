@@ -184,3 +184,18 @@ def test_a_bad_field_is_a_4xx_naming_it(server, body, field):
     r = httpx.post(server.url + "/completion", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
+
+
+def test_props_says_what_llama_servers_clients_read_there(server, tok):
+    """GET /props: the context, slots, chat template and special tokens, as llama-server
+    gives them (front ends read the template and n_ctx there)."""
+    r = httpx.get(server.url + "/props", timeout=60)
+    assert r.status_code == 200
+    props = r.json()
+    assert props["default_generation_settings"]["n_ctx"] == 1024  # the fixture's --ctx
+    assert props["default_generation_settings"]["params"]["temperature"] == 0
+    assert props["total_slots"] == 4
+    models = httpx.get(server.url + "/v1/models", timeout=60).json()
+    assert props["model_alias"] == models["data"][0]["id"]
+    assert props["bos_token"] == tok.bos_token != "" and props["eos_token"] == tok.eos_token
+    assert "{%" in props["chat_template"] and props["modalities"]["vision"] is False

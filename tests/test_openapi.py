@@ -93,6 +93,7 @@ DELIBERATE = {
     ("route", "post", "/infill"): "llama-server's fill in the middle, for editors",
     ("route", "post", "/completion"): "llama-server's own completion route, for its clients",
     ("route", "post", "/completions"): "llama-server's other name for /completion",
+    ("route", "get", "/props"): "llama-server's server properties, for its clients",
     ("required", "ModelList", "models"): "ollama-style clients read `models` beside `data`",
 }
 

@@ -178,6 +178,11 @@ def create_app(state: ServerState, *, ui: bool = False, drain: Drain | None = No
     async def local_status():
         return _json(status.local_status(state))
 
+    @app.get("/props")
+    async def llama_props():
+        """llama-server's server properties, for its clients."""
+        return _json(status.llama_props(state))
+
     @app.post("/tokenize")
     async def tokenize():
         return _json(await tokenize_api.tokenize(state, await _json_body(), g.tenant))

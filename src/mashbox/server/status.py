@@ -5,6 +5,7 @@ seed 001's status. Read from the server's state at the moment they are asked for
 from __future__ import annotations
 
 from .. import __version__
+from ..protocol import SamplingParams
 from .state import ServerState
 from .systemone_api import model_entries
 
@@ -109,3 +110,26 @@ def local_status(state: ServerState) -> dict:
     if state.model_id:
         body["active_model"] = state.model_id
     return body
+
+
+def llama_props(state: ServerState) -> dict:
+    """llama-server's `GET /props`, for the clients that read a server's context, slots, chat
+    template and special tokens there. The default settings are mashbox's own: greedy, and
+    to the end of the context."""
+    tok, template = state.tokenizer, state.template
+    default = SamplingParams()
+    params = {"n_predict": -1, "temperature": default.temperature, "top_k": default.top_k,
+              "top_p": default.top_p, "min_p": default.min_p,
+              "repeat_penalty": default.repetition_penalty}  # fmt: skip
+    return {
+        "default_generation_settings": {"n_ctx": state.ctx, "params": params},
+        "total_slots": state.slots,
+        "model_alias": state.model_id,
+        "model_path": state.loaded.weights_name if state.loaded else "",
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "chat_template": template.source if template else "",
+        "bos_token": tok.bos_token if tok else "",
+        "eos_token": tok.eos_token if tok else "",
+        "build_info": f"mashbox {__version__}",
+        "is_sleeping": False,
+    }
