@@ -91,14 +91,14 @@ void block_bits(int64_t qtype, const uint8_t* b, uint8_t* out) {
 // along the outputs, read a row at a time.
 class Matrix {
  public:
-  Matrix(const std::vector<torch::Tensor>& parts, const std::vector<int64_t>& qtypes)
+  Matrix(const std::vector<at::Tensor>& parts, const std::vector<int64_t>& qtypes)
       : parts_(parts), qtypes_(qtypes) {
     TORCH_CHECK(!parts.empty() && parts.size() == qtypes.size(), "one GGML type per part");
     k_ = parts[0].size(1) * block_weights(qtypes[0]);
     first_row_.push_back(0);
     for (size_t i = 0; i < parts.size(); ++i) {
       const auto& p = parts[i];
-      TORCH_CHECK(p.dtype() == torch::kUInt8 && p.dim() == 3 && p.is_contiguous(),
+      TORCH_CHECK(p.dtype() == at::kByte && p.dim() == 3 && p.is_contiguous(),
                   "blocks: contiguous uint8 [rows, blocks, bytes]");
       TORCH_CHECK(p.size(2) == block_bytes(qtypes[i]), "a block of type ", qtypes[i], " is ",
                   block_bytes(qtypes[i]), " bytes, not ", p.size(2));
@@ -160,7 +160,7 @@ class Matrix {
   }
 
  private:
-  const std::vector<torch::Tensor>& parts_;
+  const std::vector<at::Tensor>& parts_;
   const std::vector<int64_t>& qtypes_;
   std::vector<int64_t> first_row_;
   int64_t k_ = 0;
@@ -201,13 +201,13 @@ uint16_t load_u16(const uint8_t* p) {
 // The K-quant parts' scales (of the types `allowed`) as T [N / 32, K / 256, width]: each
 // tile's `width` values per super-block, f(at, o, block) writing output o's share of them.
 template <typename T, typename F>
-torch::Tensor pack_per_super(const std::vector<torch::Tensor>& parts,
+at::Tensor pack_per_super(const std::vector<at::Tensor>& parts,
                              const std::vector<int64_t>& qtypes,
                              std::initializer_list<int64_t> allowed, int64_t width, const F& f) {
   const Matrix m(parts, qtypes);
   const int64_t supers = m.k() / 256;
   const auto dtype = c10::CppTypeToScalarType<T>::value;
-  torch::Tensor out = torch::empty({m.rows() / TILE_LANES, supers, width}, dtype);
+  at::Tensor out = at::empty({m.rows() / TILE_LANES, supers, width}, dtype);
   T* dst = out.data_ptr<T>();
   m.super_blocks(allowed, [&](int64_t r, int64_t s, const uint8_t* b) {
     f(dst + (r / TILE_LANES * supers + s) * width, static_cast<int>(r % TILE_LANES), b);
@@ -220,10 +220,10 @@ torch::Tensor pack_per_super(const std::vector<torch::Tensor>& parts,
 // The integer weights q uint8 [N, K] (0..15, 0..31 for the Q5s, 0..63 for Q6_K) of a
 // matrix's parts (uint8 [rows, blocks, block bytes] each, of GGML type qtypes[i]) stacked
 // along the outputs: block_bits.torch_bits of each, concatenated.
-torch::Tensor block_bits(const std::vector<torch::Tensor>& parts,
+at::Tensor block_bits(const std::vector<at::Tensor>& parts,
                          const std::vector<int64_t>& qtypes) {
   const Matrix m(parts, qtypes);
-  auto q = torch::empty({m.rows(), m.k()}, torch::kUInt8);
+  auto q = at::empty({m.rows(), m.k()}, at::kByte);
   uint8_t* out = q.data_ptr<uint8_t>();
   at::parallel_for(0, m.rows(), 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) m.row(r, out + r * m.k());
@@ -233,12 +233,12 @@ torch::Tensor block_bits(const std::vector<torch::Tensor>& parts,
 
 // The parts' weights as pack_q4 (planes 0), pack_q5 (1) or pack_q6 (2) lay them out:
 // uint8 [N / 32, K / 8, 128 + 32 * planes], never the whole of q at once.
-torch::Tensor pack_blocks(const std::vector<torch::Tensor>& parts,
+at::Tensor pack_blocks(const std::vector<at::Tensor>& parts,
                           const std::vector<int64_t>& qtypes, int64_t planes) {
   TORCH_CHECK(planes >= 0 && planes <= 2, "0, 1 or 2 bit planes");
   const Matrix m(parts, qtypes);
   const int64_t record = 4 * TILE_LANES + TILE_LANES * planes;
-  auto qs = torch::empty({m.rows() / TILE_LANES, m.k() / 8, record}, torch::kUInt8);
+  auto qs = at::empty({m.rows() / TILE_LANES, m.k() / 8, record}, at::kByte);
   uint8_t* out = qs.data_ptr<uint8_t>();
   m.tiles([&](int64_t t, const uint8_t* q) {
     pack_tile_bits(q, m.k(), planes, out + t * (m.k() / 8) * record);
@@ -249,11 +249,11 @@ torch::Tensor pack_blocks(const std::vector<torch::Tensor>& parts,
 // The parts' weights less `offset` as int8, laid out as pack_q8 lays out its q: int8
 // [N / 32, K / 2, 64], output o's weights 2i and 2i + 1 at [.., i, 2o] and [.., i, 2o + 1]
 // (Q6_K's q - 32 for the prefill chunks' kernel).
-torch::Tensor pack_blocks_q8(const std::vector<torch::Tensor>& parts,
+at::Tensor pack_blocks_q8(const std::vector<at::Tensor>& parts,
                              const std::vector<int64_t>& qtypes, int64_t offset) {
   const Matrix m(parts, qtypes);
   const int64_t k = m.k();
-  auto qs = torch::empty({m.rows() / TILE_LANES, k / 2, 2 * TILE_LANES}, torch::kInt8);
+  auto qs = at::empty({m.rows() / TILE_LANES, k / 2, 2 * TILE_LANES}, at::kChar);
   int8_t* out = qs.data_ptr<int8_t>();
   m.tiles([&](int64_t t, const uint8_t* q) {
     int8_t* tile = out + t * k * TILE_LANES;
@@ -272,7 +272,7 @@ torch::Tensor pack_blocks_q8(const std::vector<torch::Tensor>& parts,
 // mn [8][32], fp16 d [32] and -dmin [32]. Sub-block j's six-bit scale and min: bytes 4-7
 // (scales) and 8-11 (mins) hold sub-blocks 0-3's in their low six bits and 4-7's top two
 // bits; the nibbles of bytes 12-15 hold 4-7's low four (scale low, min high).
-torch::Tensor blocks_k_scales(const std::vector<torch::Tensor>& parts,
+at::Tensor blocks_k_scales(const std::vector<at::Tensor>& parts,
                               const std::vector<int64_t>& qtypes) {
   auto pack = [](uint8_t* at, int o, const uint8_t* b) {
     const uint8_t* packed = b + 4;
@@ -292,7 +292,7 @@ torch::Tensor blocks_k_scales(const std::vector<torch::Tensor>& parts,
 
 // The Q6_K parts' scales as cpu_kernels.pack_q6_scales lays out q6_weight.q6_k_scales':
 // uint8 [N / 32, K / 256, 576], per tile and super-block int8 sc [16][32], then fp16 d [32].
-torch::Tensor blocks_q6_scales(const std::vector<torch::Tensor>& parts,
+at::Tensor blocks_q6_scales(const std::vector<at::Tensor>& parts,
                                const std::vector<int64_t>& qtypes) {
   auto pack = [](uint8_t* at, int o, const uint8_t* b) {
     for (int j = 0; j < 16; ++j) at[j * TILE_LANES + o] = b[192 + j];
@@ -303,7 +303,7 @@ torch::Tensor blocks_q6_scales(const std::vector<torch::Tensor>& parts,
 
 // The Q6_K parts' d * sc per 16 weights (q6_weight.group_scales, exact in float32) as
 // cpu_kernels.pack_q8_scales lays them out: float32 [N / 32, K / 16, 32].
-torch::Tensor blocks_q6_group_scales(const std::vector<torch::Tensor>& parts,
+at::Tensor blocks_q6_group_scales(const std::vector<at::Tensor>& parts,
                                      const std::vector<int64_t>& qtypes) {
   auto pack = [](float* at, int o, const uint8_t* b) {
     const float d = static_cast<float>(c10::Half(load_u16(b + 208), c10::Half::from_bits()));

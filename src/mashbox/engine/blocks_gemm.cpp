@@ -227,18 +227,18 @@ struct Q4Kernels {
 // pack_q4's qs [N / 32][K / 8][128] or pack_q5's [N / 32][K / 8][160]; dm pack_q4's, fp16 or
 // float32, [N / 32][K / 32][2][32] (d and m) or [..][1][32] (d alone: Q4_0's m = -8 d, Q5_0's
 // -16 d), or pack_k_scales' uint8 [N / 32][K / 256][K_SCALES].
-static torch::Tensor q4_call(const Q4Kernels& kernels, torch::Tensor x, torch::Tensor qs,
-                             torch::Tensor dm) {
-  const bool k_scales = dm.dtype() == torch::kByte;
-  TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kByte &&
-              (dm.dtype() == torch::kHalf || dm.dtype() == torch::kFloat || k_scales));
+static at::Tensor q4_call(const Q4Kernels& kernels, at::Tensor x, at::Tensor qs,
+                             at::Tensor dm) {
+  const bool k_scales = dm.dtype() == at::kByte;
+  TORCH_CHECK(x.dtype() == at::kFloat && qs.dtype() == at::kByte &&
+              (dm.dtype() == at::kHalf || dm.dtype() == at::kFloat || k_scales));
   TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && dm.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE;
   const bool q5 = qs.dim() == 3 && qs.size(2) == Q5_RECORD;
   TORCH_CHECK(K % BLOCK == 0 && qs.dim() == 3 && qs.size(1) * 8 == K &&
                   (qs.size(2) == Q4_RECORD || q5),
               "qs must be packed by pack_q4 or pack_q5 for K = ", K);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* q = qs.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
@@ -254,7 +254,7 @@ static torch::Tensor q4_call(const Q4Kernels& kernels, torch::Tensor x, torch::T
                   (dm.size(2) == 1 || dm.size(2) == 2) && dm.size(3) == TILE,
               "dm must be packed by pack_q4 or pack_q5 for K = ", K);
   const int derived_m = dm.size(2) == 1 ? (q5 ? 16 : 8) : 0;
-  if (dm.dtype() == torch::kFloat) {
+  if (dm.dtype() == at::kFloat) {
     (q5 ? kernels.q5_single : kernels.q4_single)(xp, q, dm.data_ptr<float>(), yp, M, K, N,
                                                  derived_m);
   } else {
@@ -264,32 +264,32 @@ static torch::Tensor q4_call(const Q4Kernels& kernels, torch::Tensor x, torch::T
   return y;
 }
 
-torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
+at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor dm) {
   return q4_call({q4_gemm, q4_gemm, q5_gemm, q5_gemm}, x, qs, dm);
 }
 
-torch::Tensor q4a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
+at::Tensor q4a16_linear(at::Tensor x, at::Tensor qs, at::Tensor dm) {
   return q4_call({q4a16_gemm, q4a16_gemm, q5a16_gemm, q5a16_gemm, q4a16_gemm, q5a16_gemm}, x,
                  qs, dm);
 }
 
-torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
+at::Tensor q4a8_linear(at::Tensor x, at::Tensor qs, at::Tensor dm) {
   return q4_call({q4a8_gemm, q4a8_gemm, q5a8_gemm, q5a8_gemm, q4a8_gemm, q5a8_gemm}, x, qs, dm);
 }
 
 // Q8 blocks: int8 qs [N / 32][K / 2][64] (pack_q8) and d [N / 32][K / 32][32] fp16 (Q8_0's) or
 // [N / 32][K / 16][32] float32 (groups of 16: Q6_K's d * sc); float32 activations, or
 // (int16) rounded per block of 32.
-static torch::Tensor q8_call(bool int16, torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
-  const bool sixteen = d.dtype() == torch::kFloat;
-  TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kChar &&
-              (sixteen || d.dtype() == torch::kHalf));
+static at::Tensor q8_call(bool int16, at::Tensor x, at::Tensor qs, at::Tensor d) {
+  const bool sixteen = d.dtype() == at::kFloat;
+  TORCH_CHECK(x.dtype() == at::kFloat && qs.dtype() == at::kChar &&
+              (sixteen || d.dtype() == at::kHalf));
   TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && d.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE, G = sixteen ? 16 : BLOCK;
   TORCH_CHECK(K % BLOCK == 0 && qs.dim() == 3 && qs.size(1) * 2 == K && qs.size(2) == 2 * TILE &&
               d.dim() == 3 && d.size(0) == qs.size(0) && d.size(1) * G == K,
               "qs/d must be packed by pack_q8 for K = ", K);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* q = qs.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
@@ -303,19 +303,19 @@ static torch::Tensor q8_call(bool int16, torch::Tensor x, torch::Tensor qs, torc
   return y;
 }
 
-torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
+at::Tensor q8_linear(at::Tensor x, at::Tensor qs, at::Tensor d) {
   return q8_call(false, x, qs, d);
 }
 
-torch::Tensor q8a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
+at::Tensor q8a16_linear(at::Tensor x, at::Tensor qs, at::Tensor d) {
   return q8_call(true, x, qs, d);
 }
 
 // Q6 blocks (pack_q6): qs uint8 [N / 32][K / 8][192] and scales uint8 [N / 32][K / 256][576],
 // activations rounded to int16 per block of 32.
-torch::Tensor q6a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales) {
-  TORCH_CHECK(x.dtype() == torch::kFloat && qs.dtype() == torch::kByte &&
-              scales.dtype() == torch::kByte);
+at::Tensor q6a16_linear(at::Tensor x, at::Tensor qs, at::Tensor scales) {
+  TORCH_CHECK(x.dtype() == at::kFloat && qs.dtype() == at::kByte &&
+              scales.dtype() == at::kByte);
   TORCH_CHECK(x.is_contiguous() && qs.is_contiguous() && scales.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0) * TILE;
   TORCH_CHECK(K % Q6_SUPER == 0 && qs.dim() == 3 && qs.size(1) * 8 == K &&
@@ -323,7 +323,7 @@ torch::Tensor q6a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scal
                   scales.size(0) == qs.size(0) && scales.size(1) * Q6_SUPER == K &&
                   scales.size(2) == Q6_SCALES,
               "qs/scales must be packed by pack_q6 for K = ", K);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   q6a16_gemm(x.data_ptr<float>(), qs.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(),
              y.data_ptr<float>(), M, K, N);
   return y;

@@ -3,8 +3,13 @@
 #ifdef MASHBOX_BREAK_BUILD  // MASHBOX_KERNELS_BREAK names this target (kernel_build.py)
 #error "a build broken on purpose (MASHBOX_KERNELS_BREAK), to test the fall-back ladder"
 #endif
-#include <torch/extension.h>
+// ATen's tensor and the two factories the kernels call, not <torch/extension.h>: that one
+// (pybind11 and the whole C++ frontend) takes ~36 s of each file's compile, these ~6.
+// decode_layers.cpp, which binds the module, includes it.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <immintrin.h>
 
 #include "chunk_pool.h"
@@ -393,7 +398,7 @@ inline void q8_tiles(int64_t M, int64_t tiles, const Block& block) {
 void int8_gemm(const float* x, const int8_t* p, const float* scale, float* y, int64_t M,
                int64_t K, int64_t N);
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor p, torch::Tensor scale);
+at::Tensor int8_linear(at::Tensor x, at::Tensor p, at::Tensor scale);
 
 // The same with a GGUF file's own Q4_0/Q4_1 or Q8_0 blocks, packed by pack_q4 / pack_q8
 // (blocks_gemm.cpp); N and K multiples of 32. Each Q4 kernel also takes float32 d and m
@@ -457,28 +462,28 @@ void q8a16_gemm(const float* x, const int8_t* qs, const uint16_t* d, float* y, i
 void q8a16_gemm(const float* x, const int8_t* qs, const float* d, float* y, int64_t M, int64_t K,
                 int64_t N);
 
-torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
-torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
-torch::Tensor q8a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
-torch::Tensor q6a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales);
-torch::Tensor q4a8_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
-torch::Tensor q4a16_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm);
+at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor dm);
+at::Tensor q8_linear(at::Tensor x, at::Tensor qs, at::Tensor d);
+at::Tensor q8a16_linear(at::Tensor x, at::Tensor qs, at::Tensor d);
+at::Tensor q6a16_linear(at::Tensor x, at::Tensor qs, at::Tensor scales);
+at::Tensor q4a8_linear(at::Tensor x, at::Tensor qs, at::Tensor dm);
+at::Tensor q4a16_linear(at::Tensor x, at::Tensor qs, at::Tensor dm);
 // AMX for prefill chunks' matmuls with int16 activations (rounded_gemm.cpp): "on"
 // where this build has it and Linux grants this process its tile state, else why not.
 std::string amx_status();
 void set_amx(bool on);  // off: the AVX-512 kernels alone (the same bits), for the tests
 // A GGUF matrix's blocks into the kernels' layouts at load (block_repack.cpp).
-torch::Tensor block_bits(const std::vector<torch::Tensor>& parts,
+at::Tensor block_bits(const std::vector<at::Tensor>& parts,
                          const std::vector<int64_t>& qtypes);
-torch::Tensor pack_blocks(const std::vector<torch::Tensor>& parts,
+at::Tensor pack_blocks(const std::vector<at::Tensor>& parts,
                           const std::vector<int64_t>& qtypes, int64_t planes);
-torch::Tensor pack_blocks_q8(const std::vector<torch::Tensor>& parts,
+at::Tensor pack_blocks_q8(const std::vector<at::Tensor>& parts,
                              const std::vector<int64_t>& qtypes, int64_t offset);
-torch::Tensor blocks_k_scales(const std::vector<torch::Tensor>& parts,
+at::Tensor blocks_k_scales(const std::vector<at::Tensor>& parts,
                               const std::vector<int64_t>& qtypes);
-torch::Tensor blocks_q6_scales(const std::vector<torch::Tensor>& parts,
+at::Tensor blocks_q6_scales(const std::vector<at::Tensor>& parts,
                                const std::vector<int64_t>& qtypes);
-torch::Tensor blocks_q6_group_scales(const std::vector<torch::Tensor>& parts,
+at::Tensor blocks_q6_group_scales(const std::vector<at::Tensor>& parts,
                                      const std::vector<int64_t>& qtypes);
 // Causal attention of a prefill chunk over one slot's cache (prefill_attention.cpp).
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start);
+at::Tensor prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, int64_t start);

@@ -1,4 +1,5 @@
 #include "cpu_kernels.h"
+#include <torch/extension.h>  // the module binding (PYBIND11_MODULE below)
 #include "decode_math.h"
 
 #include <algorithm>
@@ -29,19 +30,19 @@ using decode_math::silu_mul;
 class Mat {
  public:
   // q4_activation_bits: what Q4 and Q5 blocks multiply (float32, int16 or int8 x).
-  Mat(torch::Tensor a, torch::Tensor b, int64_t q4_activation_bits)
+  Mat(at::Tensor a, at::Tensor b, int64_t q4_activation_bits)
       : a_(a), b_(b), bits_(q4_activation_bits), tiles_(a.size(0)),
         base_{static_cast<const char*>(a.data_ptr()), static_cast<const char*>(b.data_ptr())},
         tile_bytes_{a.nbytes() / std::max<int64_t>(tiles_, 1),
                     b.nbytes() / std::max<int64_t>(tiles_, 1)},
-        q4_(a.scalar_type() == torch::kByte), int8_(!q4_ && b.dim() == 1),
+        q4_(a.scalar_type() == at::kByte), int8_(!q4_ && b.dim() == 1),
         q5_(q4_ && a.size(2) == Q5_RECORD), q6_(q4_ && a.size(2) == Q6_RECORD),
         scales_(b.scalar_type()), n_(int8_ ? b.size(0) : a.size(0) * 32),
         k_(q4_ ? a.size(1) * 8 : int8_ ? a.size(1) : a.size(1) * 2),
         derived_m_(q4_ && b.dim() >= 3 && b.size(2) == 1 ? (q5_ ? 16 : 8) : 0) {
-    TORCH_CHECK(scales_ == torch::kByte || scales_ == torch::kFloat || scales_ == torch::kHalf);
-    TORCH_CHECK(!int8_ || scales_ == torch::kFloat, "int8 weights take float32 scales");
-    TORCH_CHECK(!q6_ || scales_ == torch::kByte, "Q6 blocks take their scales as stored");
+    TORCH_CHECK(scales_ == at::kByte || scales_ == at::kFloat || scales_ == at::kHalf);
+    TORCH_CHECK(!int8_ || scales_ == at::kFloat, "int8 weights take float32 scales");
+    TORCH_CHECK(!q6_ || scales_ == at::kByte, "Q6 blocks take their scales as stored");
   }
 
   int64_t n() const { return n_; }
@@ -76,11 +77,11 @@ class Mat {
       q6a16_gemm(x, qs, scales<uint8_t>(), y, rows, k_, n_);
       return;
     }
-    if (scales_ == torch::kByte) {  // the K-quants' scales as stored
+    if (scales_ == at::kByte) {  // the K-quants' scales as stored
       run_q4(x, scales<uint8_t>(), y, rows);
       return;
     }
-    if (scales_ == torch::kFloat) {
+    if (scales_ == at::kFloat) {
       if (q4_)
         run_q4(x, scales<float>(), y, rows);
       else
@@ -119,18 +120,18 @@ class Mat {
     (q5_ ? five : four)(x, qs, scales, y, rows, k_, n_, derived_m_);  // Q4_0 / Q5_0: d alone
   }
 
-  torch::Tensor a_, b_;  // the weights and their scales, kept alive
+  at::Tensor a_, b_;  // the weights and their scales, kept alive
   int64_t bits_;
   int64_t tiles_;
   const char* base_[2];
   int64_t tile_bytes_[2];
   bool q4_, int8_, q5_, q6_;  // q4_: a GGUF's 4-, 5- or 6-bit blocks
-  torch::ScalarType scales_;
+  at::ScalarType scales_;
   int64_t n_, k_;
   int derived_m_;
 };
 
-static const float* data_or_null(const torch::Tensor& t) {
+static const float* data_or_null(const at::Tensor& t) {
   return t.numel() ? t.data_ptr<float>() : nullptr;
 }
 
@@ -139,7 +140,7 @@ static const float* data_or_null(const torch::Tensor& t) {
 // Q4_K q and k), run one after another into its columns.
 class Parts {
  public:
-  Parts(const std::vector<torch::Tensor>& t, size_t first, size_t count, int64_t bits) {
+  Parts(const std::vector<at::Tensor>& t, size_t first, size_t count, int64_t bits) {
     for (size_t i = 0; i < count; ++i)
       parts_.emplace_back(t[first + 2 * i], t[first + 2 * i + 1], bits);
     for (const Mat& m : parts_) TORCH_CHECK(m.k() == parts_[0].k(), "parts of one input size");
@@ -178,13 +179,13 @@ class Parts {
 struct Layer {
   // attn_norm, wqkv (2 tensors a part: 1 to 3 parts), bqkv, q_norm, k_norm, wo (2), ffn_norm,
   // gate_up (2), down (2); empty tensors where absent.
-  Layer(const std::vector<torch::Tensor>& t, int64_t bits)
+  Layer(const std::vector<at::Tensor>& t, int64_t bits)
       : tensors(t), at(t.size() - 10), attn_norm(data_or_null(t[0])),
         bqkv(data_or_null(t[at])), q_norm(data_or_null(t[at + 1])),
         k_norm(data_or_null(t[at + 2])), ffn_norm(data_or_null(t[at + 5])),
         wqkv(t, 1, (at - 1) / 2, bits), wo(t[at + 3], t[at + 4], bits),
         gate_up(t[at + 6], t[at + 7], bits), down(t[at + 8], t[at + 9], bits) {}
-  std::vector<torch::Tensor> tensors;  // kept alive
+  std::vector<at::Tensor> tensors;  // kept alive
   size_t at;  // where bqkv lies, after wqkv's parts
   const float *attn_norm, *bqkv, *q_norm, *k_norm, *ffn_norm;  // null where absent
   Parts wqkv;
@@ -230,21 +231,21 @@ static Best best_of(const float* x, int64_t n) {
 // a float32 offset there if any: the product, then one rounded addition, as torch's.
 class Embedding {
  public:
-  explicit Embedding(const std::vector<torch::Tensor>& t) : tensors_(t) {
+  explicit Embedding(const std::vector<at::Tensor>& t) : tensors_(t) {
     TORCH_CHECK(t.size() == 1 || t.size() == 3, "an embedding: a table, or q, scale, offset");
     for (const auto& x : t) TORCH_CHECK(x.is_contiguous() && x.device().is_cpu());
     vocab_ = t[0].size(0), width_ = t[0].size(1);
     if (t.size() == 1) {
-      TORCH_CHECK(t[0].dtype() == torch::kFloat && t[0].dim() == 2);
+      TORCH_CHECK(t[0].dtype() == at::kFloat && t[0].dim() == 2);
       table_ = t[0].data_ptr<float>();
       return;
     }
-    TORCH_CHECK(t[0].dtype() == torch::kChar && t[0].dim() == 2 && t[1].dtype() == torch::kFloat &&
+    TORCH_CHECK(t[0].dtype() == at::kChar && t[0].dim() == 2 && t[1].dtype() == at::kFloat &&
                 t[1].dim() == 2 && t[1].size(0) == vocab_ && width_ % t[1].size(1) == 0);
     q_ = t[0].data_ptr<int8_t>(), scale_ = t[1].data_ptr<float>();
     groups_ = t[1].size(1), group_ = width_ / groups_;
     if (t[2].numel()) {
-      TORCH_CHECK(t[2].dtype() == torch::kFloat && t[2].sizes() == t[1].sizes());
+      TORCH_CHECK(t[2].dtype() == at::kFloat && t[2].sizes() == t[1].sizes());
       offset_ = t[2].data_ptr<float>();
     }
   }
@@ -270,7 +271,7 @@ class Embedding {
   }
 
  private:
-  std::vector<torch::Tensor> tensors_;  // kept alive: the pointers below are theirs
+  std::vector<at::Tensor> tensors_;  // kept alive: the pointers below are theirs
   const float* table_ = nullptr;
   const int8_t* q_ = nullptr;
   const float *scale_ = nullptr, *offset_ = nullptr;
@@ -285,10 +286,10 @@ class DecodeStack {
   // embed: the embedding, as `Embedding` takes it (`logits` reads its rows). head: the
   // output matrix's two tensors where it is a decode weight, with what its activations are
   // rounded to (`logits` runs it; each step's idle threads ask for its first bytes), or none.
-  DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, torch::Tensor final_norm,
-              torch::Tensor cos, torch::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
+  DecodeStack(const std::vector<std::vector<at::Tensor>>& layers, at::Tensor final_norm,
+              at::Tensor cos, at::Tensor sin, int64_t n_heads, int64_t n_kv_heads,
               int64_t head_dim, double eps, int64_t q4_activation_bits,
-              const std::vector<torch::Tensor>& embed, const std::vector<torch::Tensor>& head,
+              const std::vector<at::Tensor>& embed, const std::vector<at::Tensor>& head,
               int64_t head_activation_bits)
       : embed_(embed), final_norm_(final_norm), cos_(cos), sin_(sin), n_heads_(n_heads),
         n_kv_heads_(n_kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)) {
@@ -302,7 +303,7 @@ class DecodeStack {
       layers_.emplace_back(t, bits);
     }
     for (const auto& t : {final_norm, cos, sin})
-      TORCH_CHECK(t.dtype() == torch::kFloat && t.is_contiguous() && t.device().is_cpu());
+      TORCH_CHECK(t.dtype() == at::kFloat && t.is_contiguous() && t.device().is_cpu());
     final_norm_at_ = final_norm.data_ptr<float>();
     cos_at_ = cos.data_ptr<float>(), sin_at_ = sin.data_ptr<float>();
     TORCH_CHECK(head.empty() || head.size() == 2, "the head: two tensors or none");
@@ -316,9 +317,9 @@ class DecodeStack {
   // largest logit's index and whether the row is finite (no NaN, and its largest logit
   // finite, as sampling.finite_rows), as lists: read here while the logits are in the caches,
   // where numpy's max and argmax after a step took ~0.1 ms (stop 39).
-  std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<bool>> logits(
+  std::tuple<at::Tensor, std::vector<int64_t>, std::vector<bool>> logits(
       const std::vector<int64_t>& tokens, const std::vector<int64_t>& positions,
-      const std::vector<int64_t>& slots, torch::Tensor cache_k, torch::Tensor cache_v) {
+      const std::vector<int64_t>& slots, at::Tensor cache_k, at::Tensor cache_v) {
     TORCH_CHECK(head_, "this stack has no head");
     const int64_t B = static_cast<int64_t>(tokens.size()), D = embed_.width();
     TORCH_CHECK(B > 0 && positions.size() == tokens.size() && slots.size() == tokens.size());
@@ -329,7 +330,7 @@ class DecodeStack {
     }
     layers(x.data(), B, positions.data(), slots.data(), cache_k, cache_v, h.data());
     const int64_t V = head_->n();
-    auto y = torch::empty({B, V});
+    auto y = at::empty({B, V});
     (*head_)(h.data(), y.data_ptr<float>(), B);
     ChunkPool::get().rest();  // the step's last call: its result goes to the server next
     std::vector<int64_t> best(B);
@@ -344,14 +345,14 @@ class DecodeStack {
   // x: [B, d_model] embeddings; positions and slots: int64 [B]; caches: float32 or float16
   // [layers, slots, kv_heads, ctx, head_dim]. Writes each row's k and v at its position (as
   // torch rounds them to float16) and returns the final-normed hidden states [B, d_model].
-  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots,
-                        torch::Tensor cache_k, torch::Tensor cache_v) {
-    TORCH_CHECK(x.dtype() == torch::kFloat && x.dim() == 2 && x.size(1) == embed_.width());
-    TORCH_CHECK(positions.dtype() == torch::kLong && slots.dtype() == torch::kLong &&
+  at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slots,
+                        at::Tensor cache_k, at::Tensor cache_v) {
+    TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == embed_.width());
+    TORCH_CHECK(positions.dtype() == at::kLong && slots.dtype() == at::kLong &&
                 positions.numel() == x.size(0) && slots.numel() == x.size(0));
     x = x.contiguous().clone();  // the residual stream, written in place
     positions = positions.contiguous(), slots = slots.contiguous();
-    auto out = torch::empty_like(x);
+    auto out = at::empty_like(x);
     layers(x.data_ptr<float>(), x.size(0), positions.data_ptr<int64_t>(),
            slots.data_ptr<int64_t>(), cache_k, cache_v, out.data_ptr<float>());
     return out;
@@ -362,12 +363,12 @@ class DecodeStack {
   // into out [B, d_model], the caches float32 or float16. Pointers, not tensors: at batch 1
   // each torch tensor made cost a few microseconds, most of them cache misses (stop 40).
   void layers(float* xs, int64_t B, const int64_t* pos, const int64_t* slot,
-              const torch::Tensor& cache_k, const torch::Tensor& cache_v, float* out) {
+              const at::Tensor& cache_k, const at::Tensor& cache_v, float* out) {
     const auto kind = cache_k.scalar_type();
-    TORCH_CHECK((kind == torch::kFloat || kind == torch::kHalf) &&
+    TORCH_CHECK((kind == at::kFloat || kind == at::kHalf) &&
                 cache_v.scalar_type() == kind && cache_k.is_contiguous() &&
                 cache_v.is_contiguous() && cache_k.size(4) == head_dim_);
-    if (kind == torch::kHalf)
+    if (kind == at::kHalf)
       step(xs, B, pos, slot, reinterpret_cast<uint16_t*>(cache_k.data_ptr<at::Half>()),
            reinterpret_cast<uint16_t*>(cache_v.data_ptr<at::Half>()), cache_k.sizes(), out);
     else
@@ -452,7 +453,7 @@ class DecodeStack {
   std::vector<Layer> layers_;
   std::optional<Mat> head_;
   Embedding embed_;
-  torch::Tensor final_norm_, cos_, sin_;
+  at::Tensor final_norm_, cos_, sin_;
   const float *final_norm_at_, *cos_at_, *sin_at_;  // their data, read once
   int64_t n_heads_, n_kv_heads_, head_dim_;
   float eps_;
@@ -464,12 +465,12 @@ class DecodeStack {
 // thread waiting (~13% of SmolLM2's 2k-token prefill here).
 
 // x [rows, n] (rows may be strided), w [n]: each row's RMSNorm, [rows, n].
-static torch::Tensor rows_rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 &&
-                  w.scalar_type() == torch::kFloat && w.is_contiguous() &&
+static at::Tensor rows_rms_norm(at::Tensor x, at::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
+                  w.scalar_type() == at::kFloat && w.is_contiguous() &&
                   w.numel() == x.size(1), "x [rows, n] float32, w [n] float32");
   const int64_t n = x.size(1), stride = x.stride(0);
-  auto out = torch::empty({x.size(0), n}, x.options());
+  auto out = at::empty({x.size(0), n}, x.options());
   const float *in = x.data_ptr<float>(), *weight = w.data_ptr<float>();
   float* o = out.data_ptr<float>();
   parallel_chunks(x.size(0), 8, [&](int64_t r) {
@@ -479,11 +480,11 @@ static torch::Tensor rows_rms_norm(torch::Tensor x, torch::Tensor w, double eps)
 }
 
 // gu [rows, 2 n], each row [gate | up]: silu(gate) * up, [rows, n].
-static torch::Tensor rows_silu_mul(torch::Tensor gu) {
-  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == torch::kFloat && gu.is_contiguous() &&
+static at::Tensor rows_silu_mul(at::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.is_contiguous() &&
                   gu.size(1) % 2 == 0, "gu [rows, 2 n] float32, contiguous");
   const int64_t n = gu.size(1) / 2;
-  auto out = torch::empty({gu.size(0), n}, gu.options());
+  auto out = at::empty({gu.size(0), n}, gu.options());
   const float* in = gu.data_ptr<float>();
   float* o = out.data_ptr<float>();
   parallel_chunks(gu.size(0), 8, [&](int64_t r) { silu_mul(in + r * 2 * n, o + r * n, n); });
@@ -492,14 +493,14 @@ static torch::Tensor rows_silu_mul(torch::Tensor gu) {
 
 // x [rows, heads, hd] (rows may be strided), cos and sin [rows, hd / 2]: rotate-half RoPE of
 // every head, [rows, heads, hd].
-static torch::Tensor rows_rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.stride(2) == 1 &&
+static at::Tensor rows_rope(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 &&
                   x.stride(1) == x.size(2) && x.size(2) % 2 == 0, "x [rows, heads, hd] float32");
   const int64_t rows = x.size(0), heads = x.size(1), hd = x.size(2), half = hd / 2;
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
-                  cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.size(0) == rows && cos.size(1) == half, "cos, sin [rows, hd / 2] float32");
-  auto out = torch::empty({rows, heads, hd}, x.options());
+  auto out = at::empty({rows, heads, hd}, x.options());
   const float *in = x.data_ptr<float>(), *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t stride = x.stride(0);
@@ -558,10 +559,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // module_local: a process may load several builds (a failed self-check, then the next
   // target), and pybind11 registers a type once per process otherwise.
   pybind11::class_<DecodeStack>(m, "DecodeStack", pybind11::module_local())
-      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, torch::Tensor,
-                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double,
-                          int64_t, const std::vector<torch::Tensor>&,
-                          const std::vector<torch::Tensor>&, int64_t>())
+      .def(pybind11::init<const std::vector<std::vector<at::Tensor>>&, at::Tensor,
+                          at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double,
+                          int64_t, const std::vector<at::Tensor>&,
+                          const std::vector<at::Tensor>&, int64_t>())
       .def("forward", &DecodeStack::forward)
       .def("logits", &DecodeStack::logits);
 }

@@ -79,13 +79,13 @@ void int8_gemm(const float* x, const int8_t* p, const float* scale, float* y, in
       });
 }
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor p, torch::Tensor scale) {
-  TORCH_CHECK(x.dtype() == torch::kFloat && p.dtype() == torch::kChar && scale.dtype() == torch::kFloat);
+at::Tensor int8_linear(at::Tensor x, at::Tensor p, at::Tensor scale) {
+  TORCH_CHECK(x.dtype() == at::kFloat && p.dtype() == at::kChar && scale.dtype() == at::kFloat);
   TORCH_CHECK(x.is_contiguous() && p.is_contiguous() && scale.is_contiguous());
   const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
   TORCH_CHECK(p.dim() == 3 && p.size(1) == K && p.size(2) == TILE && p.size(0) * TILE >= N,
               "p must be packed [ceil(N / 32), K, 32]");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   int8_gemm(x.data_ptr<float>(), p.data_ptr<int8_t>(), scale.data_ptr<float>(),
             y.data_ptr<float>(), M, K, N);
   return y;

@@ -217,10 +217,10 @@ void attend_block(const Task<T>& a, int64_t kh, int64_t r0, int64_t r1) {
 }
 
 template <typename T>
-torch::Tensor attend_chunk_rows(torch::Tensor q, const T* k, const T* v, int64_t kv_stride,
+at::Tensor attend_chunk_rows(at::Tensor q, const T* k, const T* v, int64_t kv_stride,
                                 int64_t kv_heads, int64_t start) {
   const int64_t rows = q.size(0), heads = q.size(1), hd = q.size(2);
-  auto out = torch::empty({rows, heads * hd}, q.options());
+  auto out = at::empty({rows, heads * hd}, q.options());
   const Task<T> task{q.data_ptr<float>(), q.stride(0), k, v, kv_stride, out.data_ptr<float>(),
                      start, heads, kv_heads, hd, 1.0f / std::sqrt(static_cast<float>(hd))};
   const int64_t per_block = std::max<int64_t>(1, QUERIES / (heads / kv_heads));
@@ -238,20 +238,20 @@ torch::Tensor attend_chunk_rows(torch::Tensor q, const T* k, const T* v, int64_t
 // q: [rows, heads, hd] float32 (rows may be strided), k and v: one slot's [kv_heads, ctx, hd]
 // cache, float32 or float16, holding positions 0..start + rows - 1. Returns
 // [rows, heads * hd].
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+at::Tensor prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v,
                                 int64_t start) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [rows, heads, hd], "
               "k and v [kv_heads, ctx, hd]");
   const auto kind = k.scalar_type();
-  TORCH_CHECK(q.scalar_type() == torch::kFloat &&
-                  (kind == torch::kFloat || kind == torch::kHalf) && v.scalar_type() == kind,
+  TORCH_CHECK(q.scalar_type() == at::kFloat &&
+                  (kind == at::kFloat || kind == at::kHalf) && v.scalar_type() == kind,
               "q float32, k and v both float32 or both float16");
   const int64_t rows = q.size(0), heads = q.size(1), hd = q.size(2), kv_heads = k.size(0);
   TORCH_CHECK(heads % kv_heads == 0 && k.size(2) == hd && hd % TILE == 0, "shapes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == hd && k.stride(2) == 1 && k.stride(1) == hd &&
                   v.strides() == k.strides(), "layout");
   TORCH_CHECK(start >= 0 && start + rows <= k.size(1), "positions past the cache");
-  if (kind == torch::kHalf)
+  if (kind == at::kHalf)
     return attend_chunk_rows(q, reinterpret_cast<const uint16_t*>(k.data_ptr<at::Half>()),
                              reinterpret_cast<const uint16_t*>(v.data_ptr<at::Half>()),
                              k.stride(0), kv_heads, start);
