@@ -45,10 +45,22 @@ def trained_url(trained_model):
 
 
 @pytest.fixture(scope="session")
-def fallback_build(tmp_path_factory) -> kernel_ladder.FallbackBuild:
+def fallback_build(fallback_build_started) -> kernel_ladder.FallbackBuild:
     """`mashbox kernels` falling from a broken native-avx2 to x86-64-v3, compiled for real in
     a folder of its own, once a session (support/kernel_ladder.py)."""
-    return kernel_ladder.build_by_falling_back(tmp_path_factory.mktemp("kernels"))
+    return fallback_build_started.result()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fallback_build_started(request, tmp_path_factory):
+    """That build, begun when the session starts where any test will need it."""
+    needs = {"fallback_build", "narrow_kernels"}
+    if not any(needs & set(item.fixturenames) for item in request.session.items):
+        yield None
+        return
+    pending = kernel_ladder.PendingBuild(tmp_path_factory.mktemp("fallback-build"))
+    yield pending
+    pending.stop()
 
 
 @pytest.fixture(scope="session")
