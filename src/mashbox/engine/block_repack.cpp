@@ -202,8 +202,8 @@ uint16_t load_u16(const uint8_t* p) {
 // tile's `width` values per super-block, f(at, o, block) writing output o's share of them.
 template <typename T, typename F>
 at::Tensor pack_per_super(const std::vector<at::Tensor>& parts,
-                             const std::vector<int64_t>& qtypes,
-                             std::initializer_list<int64_t> allowed, int64_t width, const F& f) {
+                          const std::vector<int64_t>& qtypes,
+                          std::initializer_list<int64_t> allowed, int64_t width, const F& f) {
   const Matrix m(parts, qtypes);
   const int64_t supers = m.k() / 256;
   const auto dtype = c10::CppTypeToScalarType<T>::value;
@@ -221,7 +221,7 @@ at::Tensor pack_per_super(const std::vector<at::Tensor>& parts,
 // matrix's parts (uint8 [rows, blocks, block bytes] each, of GGML type qtypes[i]) stacked
 // along the outputs: block_bits.torch_bits of each, concatenated.
 at::Tensor block_bits(const std::vector<at::Tensor>& parts,
-                         const std::vector<int64_t>& qtypes) {
+                      const std::vector<int64_t>& qtypes) {
   const Matrix m(parts, qtypes);
   auto q = at::empty({m.rows(), m.k()}, at::kByte);
   uint8_t* out = q.data_ptr<uint8_t>();
@@ -234,7 +234,7 @@ at::Tensor block_bits(const std::vector<at::Tensor>& parts,
 // The parts' weights as pack_q4 (planes 0), pack_q5 (1) or pack_q6 (2) lay them out:
 // uint8 [N / 32, K / 8, 128 + 32 * planes], never the whole of q at once.
 at::Tensor pack_blocks(const std::vector<at::Tensor>& parts,
-                          const std::vector<int64_t>& qtypes, int64_t planes) {
+                       const std::vector<int64_t>& qtypes, int64_t planes) {
   TORCH_CHECK(planes >= 0 && planes <= 2, "0, 1 or 2 bit planes");
   const Matrix m(parts, qtypes);
   const int64_t record = 4 * TILE_LANES + TILE_LANES * planes;
@@ -250,7 +250,7 @@ at::Tensor pack_blocks(const std::vector<at::Tensor>& parts,
 // [N / 32, K / 2, 64], output o's weights 2i and 2i + 1 at [.., i, 2o] and [.., i, 2o + 1]
 // (Q6_K's q - 32 for the prefill chunks' kernel).
 at::Tensor pack_blocks_q8(const std::vector<at::Tensor>& parts,
-                             const std::vector<int64_t>& qtypes, int64_t offset) {
+                          const std::vector<int64_t>& qtypes, int64_t offset) {
   const Matrix m(parts, qtypes);
   const int64_t k = m.k();
   auto qs = at::empty({m.rows() / TILE_LANES, k / 2, 2 * TILE_LANES}, at::kChar);
@@ -273,7 +273,7 @@ at::Tensor pack_blocks_q8(const std::vector<at::Tensor>& parts,
 // (scales) and 8-11 (mins) hold sub-blocks 0-3's in their low six bits and 4-7's top two
 // bits; the nibbles of bytes 12-15 hold 4-7's low four (scale low, min high).
 at::Tensor blocks_k_scales(const std::vector<at::Tensor>& parts,
-                              const std::vector<int64_t>& qtypes) {
+                           const std::vector<int64_t>& qtypes) {
   auto pack = [](uint8_t* at, int o, const uint8_t* b) {
     const uint8_t* packed = b + 4;
     for (int j = 0; j < 4; ++j) {
@@ -293,7 +293,7 @@ at::Tensor blocks_k_scales(const std::vector<at::Tensor>& parts,
 // The Q6_K parts' scales as cpu_kernels.pack_q6_scales lays out q6_weight.q6_k_scales':
 // uint8 [N / 32, K / 256, 576], per tile and super-block int8 sc [16][32], then fp16 d [32].
 at::Tensor blocks_q6_scales(const std::vector<at::Tensor>& parts,
-                               const std::vector<int64_t>& qtypes) {
+                            const std::vector<int64_t>& qtypes) {
   auto pack = [](uint8_t* at, int o, const uint8_t* b) {
     for (int j = 0; j < 16; ++j) at[j * TILE_LANES + o] = b[192 + j];
     std::memcpy(at + 16 * TILE_LANES + 2 * o, b + 208, 2);
@@ -304,7 +304,7 @@ at::Tensor blocks_q6_scales(const std::vector<at::Tensor>& parts,
 // The Q6_K parts' d * sc per 16 weights (q6_weight.group_scales, exact in float32) as
 // cpu_kernels.pack_q8_scales lays them out: float32 [N / 32, K / 16, 32].
 at::Tensor blocks_q6_group_scales(const std::vector<at::Tensor>& parts,
-                                     const std::vector<int64_t>& qtypes) {
+                                  const std::vector<int64_t>& qtypes) {
   auto pack = [](float* at, int o, const uint8_t* b) {
     const float d = static_cast<float>(c10::Half(load_u16(b + 208), c10::Half::from_bits()));
     for (int j = 0; j < 16; ++j) at[j * TILE_LANES + o] = d * static_cast<int8_t>(b[192 + j]);

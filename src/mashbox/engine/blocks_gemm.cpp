@@ -228,7 +228,7 @@ struct Q4Kernels {
 // float32, [N / 32][K / 32][2][32] (d and m) or [..][1][32] (d alone: Q4_0's m = -8 d, Q5_0's
 // -16 d), or pack_k_scales' uint8 [N / 32][K / 256][K_SCALES].
 static at::Tensor q4_call(const Q4Kernels& kernels, at::Tensor x, at::Tensor qs,
-                             at::Tensor dm) {
+                          at::Tensor dm) {
   const bool k_scales = dm.dtype() == at::kByte;
   TORCH_CHECK(x.dtype() == at::kFloat && qs.dtype() == at::kByte &&
               (dm.dtype() == at::kHalf || dm.dtype() == at::kFloat || k_scales));

@@ -474,16 +474,16 @@ std::string amx_status();
 void set_amx(bool on);  // off: the AVX-512 kernels alone (the same bits), for the tests
 // A GGUF matrix's blocks into the kernels' layouts at load (block_repack.cpp).
 at::Tensor block_bits(const std::vector<at::Tensor>& parts,
-                         const std::vector<int64_t>& qtypes);
+                      const std::vector<int64_t>& qtypes);
 at::Tensor pack_blocks(const std::vector<at::Tensor>& parts,
-                          const std::vector<int64_t>& qtypes, int64_t planes);
+                       const std::vector<int64_t>& qtypes, int64_t planes);
 at::Tensor pack_blocks_q8(const std::vector<at::Tensor>& parts,
-                             const std::vector<int64_t>& qtypes, int64_t offset);
+                          const std::vector<int64_t>& qtypes, int64_t offset);
 at::Tensor blocks_k_scales(const std::vector<at::Tensor>& parts,
-                              const std::vector<int64_t>& qtypes);
+                           const std::vector<int64_t>& qtypes);
 at::Tensor blocks_q6_scales(const std::vector<at::Tensor>& parts,
-                               const std::vector<int64_t>& qtypes);
+                            const std::vector<int64_t>& qtypes);
 at::Tensor blocks_q6_group_scales(const std::vector<at::Tensor>& parts,
-                                     const std::vector<int64_t>& qtypes);
+                                  const std::vector<int64_t>& qtypes);
 // Causal attention of a prefill chunk over one slot's cache (prefill_attention.cpp).
 at::Tensor prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, int64_t start);

@@ -346,7 +346,7 @@ class DecodeStack {
   // [layers, slots, kv_heads, ctx, head_dim]. Writes each row's k and v at its position (as
   // torch rounds them to float16) and returns the final-normed hidden states [B, d_model].
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slots,
-                        at::Tensor cache_k, at::Tensor cache_v) {
+                     at::Tensor cache_k, at::Tensor cache_v) {
     TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == embed_.width());
     TORCH_CHECK(positions.dtype() == at::kLong && slots.dtype() == at::kLong &&
                 positions.numel() == x.size(0) && slots.numel() == x.size(0));

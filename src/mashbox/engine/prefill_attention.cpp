@@ -218,7 +218,7 @@ void attend_block(const Task<T>& a, int64_t kh, int64_t r0, int64_t r1) {
 
 template <typename T>
 at::Tensor attend_chunk_rows(at::Tensor q, const T* k, const T* v, int64_t kv_stride,
-                                int64_t kv_heads, int64_t start) {
+                             int64_t kv_heads, int64_t start) {
   const int64_t rows = q.size(0), heads = q.size(1), hd = q.size(2);
   auto out = at::empty({rows, heads * hd}, q.options());
   const Task<T> task{q.data_ptr<float>(), q.stride(0), k, v, kv_stride, out.data_ptr<float>(),
@@ -239,7 +239,7 @@ at::Tensor attend_chunk_rows(at::Tensor q, const T* k, const T* v, int64_t kv_st
 // cache, float32 or float16, holding positions 0..start + rows - 1. Returns
 // [rows, heads * hd].
 at::Tensor prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v,
-                                int64_t start) {
+                             int64_t start) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q [rows, heads, hd], "
               "k and v [kv_heads, ctx, hd]");
   const auto kind = k.scalar_type();
