@@ -109,6 +109,7 @@ def test_every_case_holds_against_mashbox_restarted_for_real(tiny_llama, tmp_pat
 
 # -- against a stub that breaks one case on purpose ------------------------------------------
 
+CROWD_WAIT_S = 0.3
 WORDS = "sea salt lamp gull tide rope bell fog oar keel mast wave dune reef buoy cove".split()
 
 
@@ -191,6 +192,9 @@ class Stub(ThreadingHTTPServer):
     without it)."""
 
     daemon_threads = True
+    # socketserver's backlog of 5 drops some of eight connections made at once, and their
+    # SYN is sent again a second later: the seeded one could then arrive after the others.
+    request_queue_size = 64
 
     def __init__(self, breaks: str, restart_flag: Path):
         super().__init__(("127.0.0.1", 0), StubHandler)
@@ -199,7 +203,8 @@ class Stub(ThreadingHTTPServer):
         self.generation = 0
         self.down_until = 0.0
         self.in_flight = 0
-        self.lock = threading.Lock()
+        self.arrivals = 0
+        self.lock = threading.Condition()
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
 
     def words(self, body: dict) -> list[str]:
@@ -210,12 +215,17 @@ class Stub(ThreadingHTTPServer):
         return [rng.choice(WORDS) for _ in range(min(body.get("max_tokens", 16), 64))]
 
     def crowd_mark(self) -> str:
-        """The mark " (crowded)" when another whole answer is in flight as this one is made."""
+        """The mark " (crowded)" when another whole answer is in flight as this one is made.
+        An answer waits up to CROWD_WAIT_S for company, and stops waiting once it has some."""
         with self.lock:
             self.in_flight += 1
-        time.sleep(0.3)  # the seven others arrive meanwhile
-        with self.lock:
-            crowded, self.in_flight = self.in_flight > 1, self.in_flight - 1
+            self.arrivals += 1
+            mine = self.arrivals
+            self.lock.notify_all()
+            crowded = self.in_flight > 1 or self.lock.wait_for(
+                lambda: self.arrivals != mine, timeout=CROWD_WAIT_S
+            )
+            self.in_flight -= 1
         return " (crowded)" if crowded else ""
 
     def restarting(self) -> bool:
