@@ -199,3 +199,123 @@ def test_props_says_what_llama_servers_clients_read_there(server, tok):
     assert props["model_alias"] == models["data"][0]["id"]
     assert props["bos_token"] == tok.bos_token != "" and props["eos_token"] == tok.eos_token
     assert "{%" in props["chat_template"] and props["modalities"]["vision"] is False
+
+
+# --- llama-server's form of /tokenize and /detokenize -------------------------------------
+
+
+def tokenize(server, expect: int = 200, **body):
+    r = httpx.post(server.url + "/tokenize", json=body, timeout=60)
+    assert r.status_code == expect, r.text
+    return r.json()
+
+
+def test_tokenize_reads_llama_servers_content_as_it_does(server, tok):
+    """No bos unless add_special asks (llama-server's default is false); a mixed list's
+    texts each tokenized in their place; a special token's text is that token unless
+    parse_special is false."""
+    assert tokenize(server, content=PROMPT)["tokens"] == tok.encode(PROMPT)
+    with_bos = tokenize(server, content=PROMPT, add_special=True)["tokens"]
+    assert with_bos == tok.encode(PROMPT, add_bos=tok.add_bos) != tok.encode(PROMPT)
+    mixed = tokenize(server, content=[7, "the sea", 9, " and"], add_special=True)["tokens"]
+    assert mixed == [7, *tok.encode("the sea"), 9, *tok.encode(" and")]  # no bos: 7 is first
+    assert tokenize(server, content=tok.eos_token)["tokens"] == [tok.eos_id]
+    plain = tokenize(server, content=tok.eos_token, parse_special=False)["tokens"]
+    # As plain text (SentencePiece puts its space before it).
+    assert tok.eos_id not in plain and tok.decode(plain).lstrip() == tok.eos_token
+    answer = tokenize(server, content="")
+    assert answer == {"tokens": [], "count": 0, "max_model_len": 1024}
+
+
+def test_with_pieces_answers_each_token_with_its_text_or_bytes(server, tok):
+    ids = tok.encode(PROMPT)
+    pieces = tokenize(server, content=PROMPT, with_pieces=True)["tokens"]
+    assert [p["id"] for p in pieces] == ids
+    assert "".join(p["piece"] for p in pieces) == tok.decode(ids)
+    bos = tokenize(server, content=[tok.bos_id], with_pieces=True)["tokens"]
+    assert bos == [{"id": tok.bos_id, "piece": tok.bos_token}]  # a control token's text
+    partial = next(
+        i
+        for i in range(tok.vocab_size)
+        if len(tok.token_bytes(i)) == 1 and tok.token_bytes(i)[0] >= 0x80
+    )
+    raw = tokenize(server, content=[partial], with_pieces=True)["tokens"]
+    assert raw == [{"id": partial, "piece": list(tok.token_bytes(partial))}]  # not UTF-8 alone
+
+
+def test_detokenize_answers_llama_servers_content_too(server, tok):
+    ids = tok.encode(PROMPT)
+    r = httpx.post(server.url + "/detokenize", json={"tokens": ids}, timeout=60).json()
+    assert r["content"] == r["prompt"] == tok.decode(ids)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"content": 5}, "content"),
+        ({"content": [1.5]}, "content"),
+        ({"content": [{"text": "a"}]}, "content"),
+        ({"content": [10**9]}, "content"),
+        ({"content": [-1, "a"]}, "content"),
+        ({"content": ["a"] * 1025}, "content"),  # more items than the context holds
+        ({"content": "x", "prompt": "y"}, "content"),
+        ({"content": "x", "with_pieces": "yes"}, "with_pieces"),
+        ({"content": "x", "add_special": 1}, "add_special"),
+        ({"content": "x", "parse_special": "no"}, "parse_special"),
+        ({"content": "x", "model": "other"}, "model"),
+    ],
+)
+def test_a_bad_llama_tokenize_body_is_a_4xx_naming_its_field(server, body, field):
+    r = httpx.post(server.url + "/tokenize", json=body, timeout=60)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == field
+
+
+# --- llama-server's /apply-template --------------------------------------------------------
+
+
+def apply_template(server, **body) -> str:
+    r = httpx.post(server.url + "/apply-template", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["prompt"]
+
+
+def test_apply_template_is_the_prompt_chat_completions_reads(server, tok):
+    """The rendered prompt, tokenized as a completion's prompt is, is the chat route's prompt
+    to the token, and /completion answers it as /v1/chat/completions answers the messages."""
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Name three planets."},
+    ]
+    prompt = apply_template(server, messages=messages)
+    assert prompt.index("Answer briefly.") < prompt.index("Name three planets.")
+    chat = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+        timeout=60,
+    ).json()
+    ids = tokenize(server, content=prompt, add_special=True)["tokens"]
+    assert len(ids) == chat["usage"]["prompt_tokens"]
+    answer = llama(server, prompt=ids, ignore_eos=True)
+    assert answer["content"] == chat["choices"][0]["message"]["content"] != ""
+
+
+def test_apply_template_gives_a_messages_special_token_text_as_written(server, tok):
+    said = f"Say {tok.eos_token} twice."
+    prompt = apply_template(server, messages=[{"role": "user", "content": said}])
+    assert said in prompt and "\ufdd0" not in prompt  # not the server's own marks
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": "x"}, "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}], "model": "other"}, "model"),
+    ],
+)
+def test_a_bad_apply_template_body_is_a_4xx_naming_its_field(server, body, field):
+    r = httpx.post(server.url + "/apply-template", json=body, timeout=60)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == field

@@ -94,6 +94,7 @@ DELIBERATE = {
     ("route", "post", "/completion"): "llama-server's own completion route, for its clients",
     ("route", "post", "/completions"): "llama-server's other name for /completion",
     ("route", "get", "/props"): "llama-server's server properties, for its clients",
+    ("route", "post", "/apply-template"): "llama-server's chat template route, for /completion",
     ("required", "ModelList", "models"): "ollama-style clients read `models` beside `data`",
 }
 

@@ -25,6 +25,7 @@ from . import (
     responses_api,
     status,
     systemone_api,
+    template_api,
     tokenize_api,
 )
 from . import ui as chat_ui
@@ -190,6 +191,11 @@ def create_app(state: ServerState, *, ui: bool = False, drain: Drain | None = No
     @app.post("/detokenize")
     async def detokenize():
         return _json(tokenize_api.detokenize(state, await _json_body()))
+
+    @app.post("/apply-template")
+    async def apply_template():
+        """llama-server's: the prompt a chat request renders to."""
+        return _json(template_api.apply_template(state, await _json_body()))
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():

@@ -3,12 +3,18 @@
 tokenizer (lm-eval's `tokenizer_backend=remote`), so a loglikelihood request's `ctxlen` is
 the server's. A text is tokenized as `/v1/completions` tokenizes its prompt: special tokens
 spelled in it are theirs, and `add_special_tokens` puts the model's bos first where it
-wants one."""
+wants one.
+
+Scripts and clients written for llama-server speak the same two routes with its fields (an
+answer's tokens counted as `{"content": text, "add_special": false}`, say): `/tokenize` takes
+`content` and answers each token with its piece where asked, and `/detokenize` answers
+`content` beside vLLM's `prompt`."""
 
 from __future__ import annotations
 
-from .errors import bad_request, not_ready
+from .errors import bad_request, not_ready, too_long
 from .generation import biasable_tokens, check_model, check_token_ids, encode_prompt
+from .openai_completions import is_token
 from .state import ServerState
 from .validate import Body
 
@@ -22,6 +28,12 @@ async def tokenize(state: ServerState, data, tenant: str = "") -> dict:
         raise not_ready()
     body = Body(data)
     check_model(body, state)
+    if body.has("content"):
+        if body.has("prompt"):
+            raise bad_request(
+                "send prompt (vLLM's form) or content (llama-server's), not both", "content"
+            )
+        return await llama_tokenize(state, body, tenant)
     if body.has("messages"):
         raise bad_request("messages are not tokenized here: send the prompt text", "messages")
     text = body.str("prompt")
@@ -44,7 +56,61 @@ def detokenize(state: ServerState, data) -> dict:
     if len(tokens) > MAX_DETOKENIZE:
         raise bad_request(f"tokens: {len(tokens)} ids; at most {MAX_DETOKENIZE}", "tokens")
     check_token_ids(tokens, biasable_tokens(state), "tokens")
-    return {"prompt": state.tokenizer.decode(tokens)}
+    text = state.tokenizer.decode(tokens)
+    return {"prompt": text, "content": text}  # vLLM's key and llama-server's
+
+
+async def llama_tokenize(state: ServerState, body: Body, tenant: str) -> dict:
+    """llama-server's form: `content` is a text, or token ids and texts mixed (each text's
+    tokens in its place); `add_special` (default false) puts the bos first where the model
+    wants one and the first item is a text; `parse_special` false reads special tokens'
+    texts as plain text; `with_pieces` answers each token as {"id", "piece"}, the piece its
+    text (or its bytes, where they are not UTF-8 alone)."""
+    add_special = body.bool("add_special", False)
+    parse_special = body.bool("parse_special", True)
+    with_pieces = body.bool("with_pieces", False)
+    content = body.raw("content")
+    pieces = content if isinstance(content, list) else [content]
+    if not isinstance(content, (str, list)) or not all(
+        isinstance(p, str) or is_token(p) for p in pieces
+    ):
+        raise bad_request("content must be a string, or a list of token ids and strings", "content")
+    tok = state.tokenizer
+    chars = sum(len(p) for p in pieces if isinstance(p, str))
+    if len(pieces) > state.ctx or chars > state.ctx * tok.max_token_chars:
+        raise too_long(
+            f"content: {len(pieces)} items, {chars} characters; more than a "
+            f"{state.ctx}-token context can hold",
+            "content",
+        )
+    given = [p for p in pieces if not isinstance(p, str)]
+    check_token_ids(given, biasable_tokens(state), "content")
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):
+        if not isinstance(piece, str):
+            ids.append(piece)
+            continue
+        # Defused, every special token's text in it is plain text (encode_rendered).
+        text = piece if parse_special else tok.defuse(piece)
+        bos = add_special and i == 0 and tok.add_bos
+        ids += await encode_prompt(
+            state, text, "content", tenant=tenant, rendered=not parse_special, add_bos=bos
+        )
+    tokens = [_with_piece(tok, t) for t in ids] if with_pieces else ids
+    return {"tokens": tokens, "count": len(ids), "max_model_len": state.ctx}
+
+
+def _with_piece(tok, token: int) -> dict:
+    """llama-server's {"id", "piece"}: a control token's piece is its text, as llama-server
+    spells special tokens."""
+    raw = tok.token_bytes(token)
+    if not raw and tok.is_special(token):
+        raw = tok.token_text(token).encode()
+    try:
+        piece = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        piece = list(raw)
+    return {"id": token, "piece": piece}
 
 
 def tokenizer_info(state: ServerState) -> dict:
