@@ -244,9 +244,15 @@ def test_with_pieces_answers_each_token_with_its_text_or_bytes(server, tok):
 
 
 def test_detokenize_answers_llama_servers_content_too(server, tok):
+    """content as llama-server spells it: a control token's text too, where vLLM's prompt
+    (an answer's text) has none."""
     ids = tok.encode(PROMPT)
     r = httpx.post(server.url + "/detokenize", json={"tokens": ids}, timeout=60).json()
     assert r["content"] == r["prompt"] == tok.decode(ids)
+    both = [tok.bos_id, *ids, tok.eos_id]
+    r = httpx.post(server.url + "/detokenize", json={"tokens": both}, timeout=60).json()
+    assert r["prompt"] == tok.decode(ids)
+    assert r["content"] == tok.bos_token + tok.decode(ids) + tok.eos_token
 
 
 @pytest.mark.parametrize(

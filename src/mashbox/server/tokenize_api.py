@@ -56,8 +56,10 @@ def detokenize(state: ServerState, data) -> dict:
     if len(tokens) > MAX_DETOKENIZE:
         raise bad_request(f"tokens: {len(tokens)} ids; at most {MAX_DETOKENIZE}", "tokens")
     check_token_ids(tokens, biasable_tokens(state), "tokens")
-    text = state.tokenizer.decode(tokens)
-    return {"prompt": text, "content": text}  # vLLM's key and llama-server's
+    tok = state.tokenizer
+    spelled = b"".join(_spelled(tok, t) for t in tokens).decode("utf-8", errors="replace")
+    # vLLM's key, the text as an answer spells it; llama-server's, control tokens' texts too.
+    return {"prompt": tok.decode(tokens), "content": spelled}
 
 
 async def llama_tokenize(state: ServerState, body: Body, tenant: str) -> dict:
@@ -100,12 +102,17 @@ async def llama_tokenize(state: ServerState, body: Body, tenant: str) -> dict:
     return {"tokens": tokens, "count": len(ids), "max_model_len": state.ctx}
 
 
-def _with_piece(tok, token: int) -> dict:
-    """llama-server's {"id", "piece"}: a control token's piece is its text, as llama-server
-    spells special tokens."""
+def _spelled(tok, token: int) -> bytes:
+    """A token's bytes as llama-server spells it: a control token's are its text."""
     raw = tok.token_bytes(token)
     if not raw and tok.is_special(token):
         raw = tok.token_text(token).encode()
+    return raw
+
+
+def _with_piece(tok, token: int) -> dict:
+    """llama-server's {"id", "piece"}: the piece its text, or its bytes' values."""
+    raw = _spelled(tok, token)
     try:
         piece = raw.decode("utf-8")
     except UnicodeDecodeError:
