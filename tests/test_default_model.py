@@ -81,3 +81,18 @@ def test_typed_decisions_on_the_real_model(default_server):
     assert sum(first.choices["team"].probabilities.values()) == pytest.approx(1.0)
     assert mixed.scores["u"] == first.scores["urgency"]
     assert mixed.nouls["r"] == first.nouls["refund"]
+
+
+def test_tokenize_answers_pieces_for_at_most_131072_tokens(default_server):
+    """A 2,048-token context and SmolLM2's longest token (81 characters) let a text of
+    150,000 tokens through /tokenize; its ids come back, its pieces (made on the event loop,
+    ~1 us each) are a 400 naming with_pieces."""
+    text = "\U0001f600" * 50000  # three tokens each
+    url = default_server.url + "/tokenize"
+    r = httpx.post(url, json={"content": text}, timeout=120)
+    assert r.status_code == 200 and r.json()["count"] == 150000
+    r = httpx.post(url, json={"content": text, "with_pieces": True}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "with_pieces"
+    assert "150000 tokens" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"content": text[:40000], "with_pieces": True}, timeout=120)
+    assert r.status_code == 200 and len(r.json()["tokens"]) == 120000
