@@ -1,6 +1,6 @@
 """Do mashbox's llama-server routes answer as llama-server does? The same `/tokenize` (its
 `content` form), `/detokenize` and `/apply-template` bodies to both servers on the same
-GGUF, each answer compared whole.
+GGUF, each answer compared whole; then one greedy `/completion`, its values and its keys.
 
     .venv/bin/python bench/llama_routes_same.py --llama-server PATH/llama-server \
         [--model qwen2.5-coder-0.5b-instruct]
@@ -76,6 +76,23 @@ def bodies(bos: str, eos: str, ids: dict[str, int]) -> list[tuple[str, dict]]:
     ]
 
 
+# A prompt whose greedy tokens lead by a margin: where the two likeliest are within ~0.03
+# in log-prob ("def fib(n):" at its first token on qwen2.5-coder), the two servers' rounding
+# (mashbox's int4a16 rounds activations too) can pick either, and the texts part there.
+COMPLETION = {"prompt": "The capital of France is", "n_predict": 16, "temperature": 0}
+SAME_VALUES = ["content", "tokens", "stop", "stop_type", "stopping_word", "tokens_evaluated"]
+
+
+def compare_completion(http: httpx.Client, mashbox_url: str, llama_url: str) -> None:
+    """One greedy /completion: the values that should agree, and the keys only one has."""
+    ours = http.post(mashbox_url + "/completion", json=COMPLETION).json()
+    theirs = http.post(llama_url + "/completion", json=COMPLETION).json()
+    for key in SAME_VALUES:
+        print(f"/completion {key:16s} {'same' if ours[key] == theirs[key] else 'DIFFERS'}")
+    print(f"/completion keys only llama-server's: {sorted(set(theirs) - set(ours))}")
+    print(f"/completion keys only mashbox's: {sorted(set(ours) - set(theirs))}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llama-server", type=Path, required=True)
@@ -117,7 +134,8 @@ def main() -> None:
                 print(
                     "same" if ours == theirs else f"DIFFERS\n  mashbox {ours}\n  llama   {theirs}"
                 )
-        print(f"\nof {len(todo)} bodies: the same answer at {same}")
+            print(f"\nof {len(todo)} bodies: the same answer at {same}")
+            compare_completion(http, mashbox_url, llama_url)
     finally:
         mashbox.stop()
         stop(llama)

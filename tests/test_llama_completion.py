@@ -95,6 +95,7 @@ def test_the_stream_is_llama_servers_events(server):
     assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
     assert "".join(e["content"] for e in events) == whole["content"]
     assert events[-1]["tokens_predicted"] == 12 and events[-1]["stop_type"] == "limit"
+    assert whole["tokens"] == events[-1]["tokens"] == []  # llama-server's key, ids unasked
 
 
 def test_n_probs_and_return_tokens_are_the_models_log_probs(server, tok):

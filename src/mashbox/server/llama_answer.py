@@ -226,6 +226,7 @@ class LlamaEncoder:
         else:
             stop_type = "word" if done.stop_sequence else "eos"
         return {
+            "tokens": [],  # llama-server's key; the ids are in it where return_tokens asks
             "stop": True,
             "stop_type": stop_type,
             "stopping_word": done.stop_sequence or "",
