@@ -77,8 +77,8 @@ def bodies(bos: str, eos: str, ids: dict[str, int]) -> list[tuple[str, dict]]:
 
 
 # A prompt whose greedy tokens lead by a margin: where the two likeliest are within ~0.03
-# in log-prob ("def fib(n):" at its first token on qwen2.5-coder), the two servers' rounding
-# (mashbox's int4a16 rounds activations too) can pick either, and the texts part there.
+# in log-prob ("def fib(n):" at its first token on qwen2.5-coder), the two servers' kernels,
+# which round differently, can pick either, and the texts part there.
 COMPLETION = {"prompt": "The capital of France is", "n_predict": 16, "temperature": 0}
 SAME_VALUES = ["content", "tokens", "stop", "stop_type", "stopping_word", "tokens_evaluated"]
 
@@ -115,9 +115,8 @@ def main() -> None:
             bos, eos = props["bos_token"], props["eos_token"]
 
             def one_id(text: str) -> int:
-                (token,) = http.post(mashbox_url + "/tokenize", json={"content": text}).json()[
-                    "tokens"
-                ]
+                answer = http.post(mashbox_url + "/tokenize", json={"content": text}).json()
+                (token,) = answer["tokens"]
                 return token
 
             ids = {t: one_id(t) for t in (bos, eos, "\n", "user", "Hello", " world")}
