@@ -21,16 +21,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import decode_http  # noqa: F401 (puts tests/ on sys.path for serverproc)
 import httpx
-from vs_llama import free_port, launch, stop
-
-from mashbox.registry import default_models_dir, known_models
-from support.serverproc import ServerProcess
+from vs_llama import one_slot_each
 
 ROOT = Path(__file__).resolve().parent.parent
 EDITED = ROOT / "src/mashbox/scheduler.py"
@@ -101,18 +97,9 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    gguf = default_models_dir() / args.model / known_models()[args.model]["filename"]
-    logs = Path(tempfile.mkdtemp(prefix="infill-bench-"))
-    mashbox = ServerProcess(args.model, "--ctx", str(args.ctx), "--slots", "1")
-    port = free_port()
-    llama_cmd = [
-        str(args.llama_server), "-m", str(gguf), "-c", str(args.ctx), "-np", "1",
-        "-t", str(args.threads), "-tb", str(args.threads), "--host", "127.0.0.1",
-        "--port", str(port),
-    ]  # fmt: skip
-    llama, llama_url = launch(llama_cmd, port, "/health", logs / "llama.log")
-    try:
-        urls = {"mashbox": mashbox.wait_ready(900), "llama-server": llama_url}
+    servers = one_slot_each(args.llama_server, args.model, args.ctx, args.threads, "infill-bench")
+    with servers as (mashbox_url, llama_url):
+        urls = {"mashbox": mashbox_url, "llama-server": llama_url}
         firsts, later, texts = {n: [] for n in urls}, {n: [] for n in urls}, {}
         for rnd in range(args.rounds):
             # Each round a session neither server has seen: its first line is new, in the
@@ -136,9 +123,6 @@ def main() -> None:
             print(f"| {label} | {m:.3f} | {b:.3f} | {b / m:.2f}x |")
         same = sum(a == b for a, b in zip(texts["mashbox"], texts["llama-server"], strict=True))
         print(f"\nthe same text at {same} of {args.keys} keystrokes (greedy, last round)")
-    finally:
-        mashbox.stop()
-        stop(llama)
 
 
 if __name__ == "__main__":

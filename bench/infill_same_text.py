@@ -16,15 +16,11 @@ ends an answer it may have generated a token more than mashbox for the same text
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
 import decode_http  # noqa: F401 (puts tests/ on sys.path for serverproc)
 import httpx
-from vs_llama import free_port, launch, stop
-
-from mashbox.registry import default_models_dir, known_models
-from support.serverproc import ServerProcess
+from vs_llama import one_slot_each
 
 ROOT = Path(__file__).resolve().parent.parent
 EDITED = ROOT / "src/mashbox/text/stops.py"
@@ -65,17 +61,8 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    gguf = default_models_dir() / args.model / known_models()[args.model]["filename"]
-    logs = Path(tempfile.mkdtemp(prefix="infill-same-"))
-    mashbox = ServerProcess(args.model, "--ctx", "4096", "--slots", "1")
-    port = free_port()
-    llama_cmd = [
-        str(args.llama_server), "-m", str(gguf), "-c", "4096", "-np", "1",
-        "-t", str(args.threads), "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
-    llama, llama_url = launch(llama_cmd, port, "/health", logs / "llama.log")
-    try:
-        mashbox_url = mashbox.wait_ready(900)
+    servers = one_slot_each(args.llama_server, args.model, 4096, args.threads, "infill-same")
+    with servers as (mashbox_url, llama_url):
         agree = {f: 0 for f in FIELDS}
         cut = 0
         todo = bodies()
@@ -98,9 +85,6 @@ def main() -> None:
             + ", ".join(f"{f} the same at {n}" for f, n in agree.items())
             + f"; n_indent ended {cut} of mashbox's answers early"
         )
-    finally:
-        mashbox.stop()
-        stop(llama)
 
 
 if __name__ == "__main__":

@@ -19,15 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
 import decode_http  # noqa: F401 (puts tests/ on sys.path for serverproc)
 import httpx
-from vs_llama import free_port, launch, stop
-
-from mashbox.registry import default_models_dir, known_models
-from support.serverproc import ServerProcess
+from vs_llama import one_slot_each
 
 WEATHER = {
     "type": "function",
@@ -99,17 +95,8 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    gguf = default_models_dir() / args.model / known_models()[args.model]["filename"]
-    logs = Path(tempfile.mkdtemp(prefix="llama-routes-same-"))
-    mashbox = ServerProcess(args.model, "--ctx", "2048", "--slots", "1")
-    port = free_port()
-    llama_cmd = [
-        str(args.llama_server), "-m", str(gguf), "-c", "2048", "-np", "1",
-        "-t", str(args.threads), "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
-    llama, llama_url = launch(llama_cmd, port, "/health", logs / "llama.log")
-    try:
-        mashbox_url = mashbox.wait_ready(900)
+    servers = one_slot_each(args.llama_server, args.model, 2048, args.threads, "llama-routes-same")
+    with servers as (mashbox_url, llama_url):
         with httpx.Client(timeout=600) as http:
             props = http.get(mashbox_url + "/props").json()
             bos, eos = props["bos_token"], props["eos_token"]
@@ -135,9 +122,6 @@ def main() -> None:
                 )
             print(f"\nof {len(todo)} bodies: the same answer at {same}")
             compare_completion(http, mashbox_url, llama_url)
-    finally:
-        mashbox.stop()
-        stop(llama)
 
 
 if __name__ == "__main__":

@@ -176,6 +176,32 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300)
     raise SystemExit(f"the baseline server was not ready in {timeout} s; see {log}")
 
 
+@contextlib.contextmanager
+def one_slot_each(llama_server: Path, model: str, ctx: int, threads: int, name: str):
+    """mashbox and llama-server on the same GGUF (the registry id `model`), one slot of `ctx`
+    tokens each and `threads` threads; yields their URLs (mashbox's, llama-server's) and
+    stops both. llama-server's log goes to a temporary folder named after `name`."""
+    from mashbox.registry import default_models_dir, known_models
+    from support.serverproc import ServerProcess
+
+    gguf = default_models_dir() / model / known_models()[model]["filename"]
+    logs = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    mashbox = ServerProcess(model, "--ctx", str(ctx), "--slots", "1")
+    port = free_port()
+    llama_cmd = [
+        str(llama_server), "-m", str(gguf), "-c", str(ctx), "-np", "1",
+        "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    try:
+        llama, llama_url = launch(llama_cmd, port, "/health", logs / "llama.log")
+        try:
+            yield mashbox.wait_ready(900), llama_url
+        finally:
+            stop(llama)
+    finally:
+        mashbox.stop()
+
+
 def stop(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGINT)
     try:
