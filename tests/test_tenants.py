@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -170,6 +171,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(two_tenants)
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]}, "messages"),
         ("/v1/completions", {"prompt": big}, "prompt"),
         ("/v1/embeddings", {"input": big}, "input"),
+        ("/tokenize", {"content": big}, "content"),  # llama-server's form
     ]
     for path, body, field in cases:
         r = httpx.post(url + path, json=body, headers=ALICE, timeout=60)
@@ -183,6 +185,31 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(two_tenants)
         timeout=60,
     )
     assert r.status_code == 400 and r.json()["type"] == "error"
+
+
+def test_one_tenants_largest_token_pieces_leave_another_answered(two_tenants):
+    """Eight of alice's largest /tokenize-with-pieces requests at once (a text as long as
+    the context could hold, ~32,000 pieces each, built on the event loop): bob's small one
+    waits behind them in the shared tokenizer line (two threads; 32 of a tenant's at most),
+    and is answered in well under a second (0.3-0.4 s here)."""
+    url, text = two_tenants.url, "héllo wörld 😀 中文 " * 1445  # 24,565 characters
+    body = {"content": text, "with_pieces": True}
+
+    def alice(_) -> int:
+        r = httpx.post(url + "/tokenize", json=body, headers=ALICE, timeout=120)
+        # Counted, not parsed: parsing eight answers would hold this process's GIL from bob.
+        return r.content.count(b'"piece"') if r.status_code == 200 else -r.status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        pieces = pool.map(alice, range(8))
+        time.sleep(0.1)  # alice's requests are in
+        t0 = time.monotonic()
+        r = httpx.post(url + "/tokenize", json={"content": "hi", "with_pieces": True}, headers=BOB)
+        waited = time.monotonic() - t0
+        pieces = list(pieces)
+    assert r.status_code == 200 and r.json()["tokens"][0]["id"] > 0
+    assert min(pieces) > 30000, pieces  # each of alice's answered whole
+    assert waited < 2.0, f"bob waited {waited:.2f} s"
 
 
 @pytest.fixture(scope="module")
